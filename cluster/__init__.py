@@ -1,0 +1,1 @@
+"""Cluster edge: gRPC server, client SDK, CLI. Nothing here does tensor math."""

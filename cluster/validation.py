@@ -1,0 +1,387 @@
+"""Validation of every request field before the engine sees it (pydantic at the edge).
+
+Two steps, both raising :class:`~dspine.replica.errors.InvalidRequestError`
+(-> INVALID_ARGUMENT) whose message is ``field: reason``, where ``field`` is
+the request path a client wrote (``sampling.temperature``, ``token_ids[3]``,
+``messages[0].role``, ``request_id``):
+
+1. :func:`validate_generate` checks the shape and range of every field against
+   :class:`ValidationLimits` (the served model's vocabulary and context, and
+   size caps): pure data, no tokenizer.
+2. :func:`prepare_generate` turns the checked input into the engine's types:
+   it encodes text / renders chat messages with the tokenizer, checks the
+   prompt length against the context, and builds a ``SamplingParams``.
+
+Decisions a client can rely on:
+- exactly one prompt: ``text`` XOR ``token_ids`` XOR ``messages``, non-empty;
+- ``max_new_tokens`` in [1, max_context]; generation still ends with
+  ``length`` at the context limit when prompt + output would exceed it;
+- ``temperature`` finite in [0, 100]; ``top_p`` in (0, 1]; ``top_k`` in
+  [0, 2**31); ``seed`` in [0, 2**64);
+- at most 16 stop strings of 1..256 characters; at most 64 stop token ids,
+  each inside the vocabulary; stop strings need a tokenizer;
+- ``request_id`` empty (the server picks one) or 1..128 of ``[A-Za-z0-9._:-]``;
+- ``speculative = true`` without a drafter raises ``NoDrafterError``
+  (FAILED_PRECONDITION), not INVALID_ARGUMENT: the request is fine, the server is not.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+
+from dspine.replica.errors import InvalidRequestError, NoDrafterError
+from dspine.replica.sampling import SamplingParams
+
+__all__ = [
+    "ValidationLimits",
+    "SamplingInput",
+    "ChatMessageInput",
+    "GenerateInput",
+    "PreparedRequest",
+    "validate_generate",
+    "validate_token_ids",
+    "validate_text",
+    "prepare_generate",
+    "invalid_from_pydantic",
+]
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+_MAX_SEED = 2**64
+_MAX_TOP_K = 2**31
+
+
+class ValidationLimits(BaseModel):
+    """What a request may ask of this server; built once per served engine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = Field(gt=0, description="valid token ids are [0, vocab_size)")
+    max_context: int = Field(ge=2, description="prompt + output tokens (the engine's max_seq_len)")
+    default_max_new_tokens: int = Field(256, ge=1, description="used when a request leaves max_new_tokens unset")
+    has_tokenizer: bool = Field(False, description="text prompts, stop strings and tokenization need one")
+    has_chat_template: bool = Field(False, description="chat messages need one")
+    has_drafter: bool = Field(False, description="speculative=true needs one")
+    max_temperature: float = Field(100.0, gt=0)
+    max_prompt_chars: int = Field(1_000_000, ge=1, description="text / chat content characters, before tokenizing")
+    max_chat_messages: int = Field(256, ge=1)
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_chars: int = Field(256, ge=1)
+    max_stop_token_ids: int = Field(64, ge=0)
+    max_request_id_chars: int = Field(128, ge=1)
+
+    @model_validator(mode="after")
+    def _default_fits_context(self) -> "ValidationLimits":
+        if self.default_max_new_tokens > self.max_context:
+            object.__setattr__(self, "default_max_new_tokens", self.max_context)
+        return self
+
+    @classmethod
+    def from_engine(cls, engine, **overrides) -> "ValidationLimits":
+        tokenizer = engine.tokenizer
+        fields: dict[str, Any] = dict(
+            vocab_size=engine.target.args.vocab_size,
+            max_context=engine.max_seq_len,
+            has_tokenizer=tokenizer is not None,
+            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            has_drafter=engine.drafter is not None,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _limits(info: ValidationInfo) -> ValidationLimits:
+    limits = (info.context or {}).get("limits")
+    if not isinstance(limits, ValidationLimits):
+        raise TypeError("validate with context={'limits': ValidationLimits(...)}")
+    return limits
+
+
+def _check_token_id(value: int, limits: ValidationLimits) -> None:
+    if not 0 <= value < limits.vocab_size:
+        raise ValueError(f"{value} is not a token id in [0, {limits.vocab_size})")
+
+
+class SamplingInput(BaseModel):
+    """``GenerateRequest.sampling``; ``None`` means "unset: use the default"."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float | None = None
+    top_k: StrictInt | None = None
+    top_p: float | None = None
+    seed: StrictInt | None = None
+    max_new_tokens: StrictInt | None = None
+    stop: tuple[StrictStr, ...] = ()
+    stop_token_ids: tuple[StrictInt, ...] = ()
+    ignore_eos: StrictBool = False
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None, info: ValidationInfo) -> float | None:
+        limit = _limits(info).max_temperature
+        if v is not None and not (math.isfinite(v) and 0.0 <= v <= limit):
+            raise ValueError(f"must be finite and in [0, {limit:g}] (0 = greedy), got {v!r}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v < _MAX_TOP_K:
+            raise ValueError(f"must be in [0, 2**31) (0 disables it), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0.0 < v <= 1.0):
+            raise ValueError(f"must be in (0, 1] (1 disables it), got {v!r}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v < _MAX_SEED:
+            raise ValueError(f"must be in [0, 2**64), got {v}")
+        return v
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
+        limit = _limits(info).max_context
+        if v is not None and not 1 <= v <= limit:
+            raise ValueError(f"must be in [1, {limit}] (the context of this server), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        limits = _limits(info)
+        if len(v) > limits.max_stop_strings:
+            raise ValueError(f"at most {limits.max_stop_strings} stop strings, got {len(v)}")
+        for i, s in enumerate(v):
+            if not 1 <= len(s) <= limits.max_stop_chars:
+                raise ValueError(f"entry {i} must have 1..{limits.max_stop_chars} characters, got {len(s)}")
+        if v and not limits.has_tokenizer:
+            raise ValueError("stop strings need a tokenizer and this server has none; use stop_token_ids")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        limits = _limits(info)
+        if len(v) > limits.max_stop_token_ids:
+            raise ValueError(f"at most {limits.max_stop_token_ids} stop token ids, got {len(v)}")
+        for i, token in enumerate(v):
+            try:
+                _check_token_id(token, limits)
+            except ValueError as e:
+                raise ValueError(f"entry {i}: {e}") from e
+        return v
+
+
+class ChatMessageInput(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: StrictStr
+    content: StrictStr
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"must be one of {sorted(CHAT_ROLES)}, got {v[:32]!r}")
+        return v
+
+
+class GenerateInput(BaseModel):
+    """A generate request as plain data; exactly one of ``text``, ``token_ids``, ``messages``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: StrictStr | None = None
+    token_ids: tuple[StrictInt, ...] | None = None
+    messages: tuple[ChatMessageInput, ...] | None = None
+    add_generation_prompt: StrictBool = True
+    sampling: SamplingInput = SamplingInput.model_construct()
+    speculative: StrictBool | None = None
+    request_id: StrictStr = ""
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None:
+            validate_text(v, _limits(info), field=None)
+        return v
+
+    @field_validator("token_ids")
+    @classmethod
+    def _token_ids(cls, v: tuple[int, ...] | None, info: ValidationInfo) -> tuple[int, ...] | None:
+        limits = _limits(info)
+        if v is not None:
+            if not v:
+                raise ValueError("must not be empty")
+            if len(v) >= limits.max_context:
+                raise ValueError(f"prompt has {len(v)} tokens; the context of this server is {limits.max_context}")
+            for i, token in enumerate(v):
+                if not 0 <= token < limits.vocab_size:
+                    raise ValueError(f"element {i} = {token} is not a token id in [0, {limits.vocab_size})")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: tuple[ChatMessageInput, ...] | None, info: ValidationInfo):
+        limits = _limits(info)
+        if v is not None:
+            if not v:
+                raise ValueError("must hold at least one message")
+            if len(v) > limits.max_chat_messages:
+                raise ValueError(f"at most {limits.max_chat_messages} messages, got {len(v)}")
+            chars = sum(len(m.content) for m in v)
+            if chars > limits.max_prompt_chars:
+                raise ValueError(f"content has {chars} characters in all; the limit is {limits.max_prompt_chars}")
+            if not limits.has_tokenizer or not limits.has_chat_template:
+                raise ValueError("this server's tokenizer has no chat template; send text or token_ids")
+        return v
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v: str, info: ValidationInfo) -> str:
+        limit = _limits(info).max_request_id_chars
+        if v and (len(v) > limit or not _REQUEST_ID.fullmatch(v)):
+            raise ValueError(f"must be 1..{limit} characters of [A-Za-z0-9._:-] (or empty), got {v[:40]!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_prompt(self, info: ValidationInfo) -> "GenerateInput":
+        given = [name for name in ("text", "token_ids", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            got = " and ".join(given) if given else "none"
+            raise ValueError(f"prompt: exactly one of text, token_ids or messages is required, got {got}")
+        if self.speculative and not _limits(info).has_drafter:
+            # Not a bad field but a server without a drafter: FAILED_PRECONDITION.
+            raise NoDrafterError("speculative: this server has no drafter; leave it unset or false")
+        return self
+
+
+def validate_text(text: str, limits: ValidationLimits, field: str | None = "text") -> None:
+    """A text to encode: non-empty, bounded, and a tokenizer to encode it with."""
+    try:
+        if not text:
+            raise ValueError("must not be empty")
+        if len(text) > limits.max_prompt_chars:
+            raise ValueError(f"has {len(text)} characters; the limit is {limits.max_prompt_chars}")
+        if not limits.has_tokenizer:
+            raise ValueError("this server has no tokenizer; send token_ids")
+    except ValueError as e:
+        if field is None:
+            raise
+        raise InvalidRequestError(field, str(e)) from e
+
+
+def validate_token_ids(ids, limits: ValidationLimits, field: str = "token_ids", allow_empty: bool = False) -> list[int]:
+    """Token ids of the target vocabulary (Tokenize / Detokenize / prompts)."""
+    ids = list(ids)
+    if not ids and not allow_empty:
+        raise InvalidRequestError(field, "must not be empty")
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limits.vocab_size:
+            raise InvalidRequestError(f"{field}[{i}]", f"{token!r} is not a token id in [0, {limits.vocab_size})")
+    return ids
+
+
+def _path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def invalid_from_pydantic(error: ValidationError) -> InvalidRequestError:
+    """The first pydantic error as ``InvalidRequestError(field, reason)``."""
+    first = error.errors(include_url=False)[0]
+    cause = (first.get("ctx") or {}).get("error")
+    message = str(cause) if isinstance(cause, Exception) else first["msg"]
+    field = _path(tuple(first["loc"]))
+    if not field:  # a model-level check: its message is already "field: reason"
+        field, _, message = message.partition(": ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown field"
+    return InvalidRequestError(field or "request", message)
+
+
+def validate_generate(data: dict[str, Any], limits: ValidationLimits) -> GenerateInput:
+    """Check a request given as plain data (see :class:`GenerateInput`); raise ``InvalidRequestError``."""
+    try:
+        return GenerateInput.model_validate(data, context={"limits": limits})
+    except ValidationError as e:
+        cause = (e.errors(include_url=False)[0].get("ctx") or {}).get("error")
+        if isinstance(cause, NoDrafterError):
+            raise cause from None
+        raise invalid_from_pydantic(e) from None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A checked request in the engine's types."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    speculative: bool | None
+    request_id: str
+
+
+def encode_chat(messages, add_generation_prompt: bool, tokenizer, template) -> list[int]:
+    """Render ``messages`` with ``template`` (a :class:`~dspine.cluster.chat.ChatTemplate`) and encode."""
+    text = template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:  # a tokenizer without the keyword
+        return tokenizer.encode(text)
+
+
+def prepare_generate(request: GenerateInput, limits: ValidationLimits, tokenizer=None,
+                     chat_template=None) -> PreparedRequest:
+    """Encode the prompt, check its length against the context, build ``SamplingParams``."""
+    if request.text is not None:
+        field, ids = "text", list(tokenizer.encode(request.text))
+    elif request.messages is not None:
+        field = "messages"
+        try:
+            ids = encode_chat(request.messages, request.add_generation_prompt, tokenizer, chat_template)
+        except ValueError as e:
+            raise InvalidRequestError("messages", str(e).removeprefix("messages: ")) from e
+    else:
+        field, ids = "token_ids", list(request.token_ids)
+    if not ids:
+        raise InvalidRequestError(field, "encodes to no tokens")
+    if len(ids) >= limits.max_context:
+        raise InvalidRequestError(
+            field, f"prompt has {len(ids)} tokens; the context of this server is {limits.max_context} "
+                   "(prompt and output together)")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:  # a tokenizer larger than the model's vocabulary
+        raise InvalidRequestError(field, f"encodes to token {bad}, outside the model's vocabulary {limits.vocab_size}")
+
+    s = request.sampling
+    fields = {
+        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
+        "max_new_tokens": s.max_new_tokens if s.max_new_tokens is not None else limits.default_max_new_tokens,
+        "stop": s.stop, "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
+    }
+    try:
+        params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:  # SamplingParams names the field first
+        name, _, reason = str(e).partition(": ")
+        raise InvalidRequestError(f"sampling.{name}", reason) from e
+    return PreparedRequest(ids, params, request.speculative, request.request_id or uuid.uuid4().hex)

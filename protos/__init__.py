@@ -1,0 +1,1 @@
+"""gRPC schema (dspine/v1/*.proto) and generated stubs."""

@@ -1,0 +1,210 @@
+"""Benchmarks: every figure is a ratio against a baseline measured in the same run.
+
+``bench_target``  target-only decode tokens/s of this engine vs transformers ``generate``
+                  on the same checkpoint (transformers is a dev-only dependency).
+``bench_engine``  the same prompts decoded target-only and speculatively, with the
+                  speedup, acceptance, stage breakdown and the article's cost-model bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig
+from .engine import Engine
+from .sampling import SamplingParams
+from .types import SpecDecodingStats, StageTimes
+
+
+@dataclass
+class TargetBenchReport:
+    prompt_len: int
+    new_tokens: int
+    ours_tokens_per_s: float
+    transformers_tokens_per_s: float | None
+    same_tokens: bool | None
+
+    def format(self) -> str:
+        lines = [
+            f"target-only greedy decode, prompt {self.prompt_len} tokens, {self.new_tokens} new tokens (median of runs)",
+            f"  dspine engine          {self.ours_tokens_per_s:10.1f} tok/s",
+        ]
+        if self.transformers_tokens_per_s is not None:
+            ratio = self.ours_tokens_per_s / self.transformers_tokens_per_s
+            lines.append(f"  transformers generate  {self.transformers_tokens_per_s:10.1f} tok/s")
+            lines.append(f"  ratio dspine / transformers: {ratio:.2f}x   identical tokens: {self.same_tokens}")
+        else:
+            lines.append("  transformers not installed: no baseline (pip install 'dspine-serve[dev]')")
+        return "\n".join(lines)
+
+
+def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def bench_target(target_dir: str | Path, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 3,
+                 device: str = "auto") -> TargetBenchReport:
+    """Decode tokens/s of our target-only path and of transformers on the same model."""
+    engine = Engine.from_pretrained(target_dir, None, EngineConfig(device=device, dtype="float32"))
+    prompt = _prompt(engine.target.args.vocab_size, prompt_len, seed=0)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompt, params, speculative=False)  # warm-up
+    ours, our_tokens = [], None
+    for _ in range(repeats):
+        result = engine.generate(prompt, params, speculative=False)
+        ours.append(result.stats.decode_tokens_per_second)
+        our_tokens = result.token_ids
+    try:
+        import transformers  # noqa: F401 - dev-only baseline
+    except ImportError:
+        return TargetBenchReport(prompt_len, new_tokens, statistics.median(ours), None, None)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    input_ids = torch.tensor([prompt])
+    theirs, their_tokens = [], None
+    with torch.inference_mode():
+        model.generate(input_ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+        for _ in range(repeats):
+            # time the first token separately so both rates exclude prefill
+            start = time.perf_counter()
+            model.generate(input_ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+            elapsed = time.perf_counter() - start - prefill
+            theirs.append((new_tokens - 1) / elapsed)
+            their_tokens = out[0, prompt_len:].tolist()
+    return TargetBenchReport(prompt_len, new_tokens, statistics.median(ours), statistics.median(theirs),
+                             our_tokens == their_tokens)
+
+
+@dataclass
+class EngineBenchReport:
+    num_prompts: int
+    concurrency: int
+    temperature: float
+    target_only_tokens: int
+    speculative_tokens: int
+    target_only_seconds: float
+    speculative_seconds: float
+    mean_accepted_len: float
+    accepted_len_histogram: list[int]
+    stage_seconds: dict
+    target_step_seconds: float  # mean target-only step (C_t)
+    cycle_seconds: float  # mean speculative cycle (C_d + C_v)
+    identical_greedy_output: bool | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def target_only_tokens_per_s(self) -> float:
+        return self.target_only_tokens / self.target_only_seconds
+
+    @property
+    def speculative_tokens_per_s(self) -> float:
+        return self.speculative_tokens / self.speculative_seconds
+
+    @property
+    def speedup(self) -> float:
+        return self.speculative_tokens_per_s / self.target_only_tokens_per_s
+
+    @property
+    def cost_model_speedup(self) -> float:
+        """C_t / ((C_d + C_v) / tau): what the measured cycle cost and acceptance imply."""
+        tau = self.mean_accepted_len + 1.0
+        return self.target_step_seconds / (self.cycle_seconds / tau) if self.cycle_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data.update(target_only_tokens_per_s=self.target_only_tokens_per_s,
+                    speculative_tokens_per_s=self.speculative_tokens_per_s,
+                    speedup=self.speedup, cost_model_speedup=self.cost_model_speedup)
+        return data
+
+    def format(self) -> str:
+        stage_total = sum(self.stage_seconds.values()) or 1.0
+        stages = ", ".join(f"{k} {v * 1e3 / max(1, sum(self.accepted_len_histogram)):.2f} ms ({100 * v / stage_total:.0f}%)"
+                           for k, v in self.stage_seconds.items())
+        lines = [
+            f"{self.num_prompts} prompts, concurrency {self.concurrency}, temperature {self.temperature}",
+            f"  target-only   {self.target_only_tokens_per_s:9.1f} tok/s  ({self.target_only_tokens} tokens, {self.target_only_seconds:.2f} s)",
+            f"  speculative   {self.speculative_tokens_per_s:9.1f} tok/s  ({self.speculative_tokens} tokens, {self.speculative_seconds:.2f} s)",
+            f"  speedup       {self.speedup:9.2f}x",
+            f"  mean accepted length {self.mean_accepted_len:.2f} (committed per cycle {self.mean_accepted_len + 1:.2f})",
+            f"  accepted-length histogram {self.accepted_len_histogram}",
+            f"  per-cycle stages: {stages}",
+            f"  cost model: C_t {self.target_step_seconds * 1e3:.2f} ms, C_d + C_v {self.cycle_seconds * 1e3:.2f} ms, "
+            f"(C_d + C_v) / tau {self.cycle_seconds * 1e3 / (self.mean_accepted_len + 1):.2f} ms/token "
+            f"-> bound {self.cost_model_speedup:.2f}x",
+        ]
+        if self.identical_greedy_output is not None:
+            lines.append(f"  greedy speculative output identical to target-only: {self.identical_greedy_output}")
+        return "\n".join(lines)
+
+
+def heldout_prompts(engine: Engine, num_prompts: int, prompt_len: int) -> list[list[int]]:
+    """Prompts cut from held-out stdlib files (never trained on); random ids without a tokenizer."""
+    if engine.tokenizer is None:
+        return [_prompt(engine.target.args.vocab_size, prompt_len, seed=i) for i in range(num_prompts)]
+    from .train.corpus import read_texts
+
+    prompts = []
+    for text in read_texts("heldout"):
+        ids = engine.tokenizer.encode(text)
+        for start in range(0, len(ids) - prompt_len - 1, max(prompt_len * 8, 512)):
+            prompts.append(ids[start : start + prompt_len])
+            if len(prompts) == num_prompts:
+                return prompts
+    return prompts
+
+
+def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int = 8, prompt_len: int = 64,
+                 concurrency: int = 1, device: str = "auto", dtype: str = "auto", engine: Engine | None = None,
+                 prompts: list[list[int]] | None = None) -> EngineBenchReport:
+    """Decode the same prompts target-only, then speculatively, in one run."""
+    if engine is None:
+        engine = Engine.from_pretrained(target_dir, draft_dir,
+                                        EngineConfig(device=device, dtype=dtype, max_concurrency=max(concurrency, 1)))
+    prompts = prompts or heldout_prompts(engine, num_prompts, prompt_len)
+    params = SamplingParams(**{**asdict(params), "ignore_eos": True})
+    engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=True)  # warm-up
+    engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=False)
+
+    def run(speculative: bool):
+        start = time.perf_counter()
+        results = []
+        for i in range(0, len(prompts), concurrency):
+            results += engine.generate_many(prompts[i : i + concurrency], params, speculative=speculative)
+        return results, time.perf_counter() - start
+
+    base_results, base_seconds = run(False)
+    spec_results, spec_seconds = run(True)
+    spec = SpecDecodingStats(engine.block_size - 1)
+    stages = StageTimes()
+    target_step = 0.0
+    for result in spec_results:
+        spec.merge(result.stats.spec)
+        stages.add(result.stats.stage_times)
+    for result in base_results:
+        target_step += result.stats.stage_times.target_step
+    base_steps = sum(max(0, r.stats.num_output_tokens - 1) for r in base_results)
+    cycle = (stages.draft + stages.tail + stages.verify + stages.commit) / max(1, spec.num_cycles)
+    identical = None
+    if params.is_greedy:
+        identical = all(a.token_ids == b.token_ids for a, b in zip(base_results, spec_results))
+    return EngineBenchReport(
+        num_prompts=len(prompts), concurrency=concurrency, temperature=params.temperature,
+        target_only_tokens=sum(len(r.token_ids) for r in base_results),
+        speculative_tokens=sum(len(r.token_ids) for r in spec_results),
+        target_only_seconds=base_seconds, speculative_seconds=spec_seconds,
+        mean_accepted_len=spec.mean_accepted_len, accepted_len_histogram=spec.accepted_len_histogram,
+        stage_seconds={"draft": stages.draft, "tail": stages.tail, "verify": stages.verify, "commit": stages.commit},
+        target_step_seconds=target_step * concurrency / max(1, base_steps), cycle_seconds=cycle * concurrency,
+        identical_greedy_output=identical,
+    )

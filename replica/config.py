@@ -1,0 +1,46 @@
+"""Engine configuration: a frozen dataclass, built once from the cluster's pydantic config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_concurrency: int = 8  # requests in flight per engine; the released plugin allows at most 8
+    device: str = "auto"  # "auto" -> cuda when available, else cpu
+    dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
+    max_seq_len: int | None = None  # prompt + output; None -> the target's max_position_embeddings
+    draft_pool: str = "dense"  # "dense" (as the released plugin) or "ring" (keeps only the window)
+    draft_pool_tokens: int | None = None  # slots in the draft KV pool; None -> max_concurrency * max_seq_len
+    fp8_retrieval: bool | None = None  # FP8 head retrieval in the tail; None -> on for cuda, off on cpu
+    speculative_default: bool = True  # used when a request does not say and a drafter is loaded
+    prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per forward
+
+    def __post_init__(self):
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency: must be >= 1, got {self.max_concurrency}")
+        if self.draft_pool not in ("dense", "ring"):
+            raise ValueError(f"draft_pool: must be 'dense' or 'ring', got {self.draft_pool!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    @property
+    def use_fp8_retrieval(self) -> bool:
+        if self.fp8_retrieval is None:
+            return self.torch_device.type == "cuda"
+        return self.fp8_retrieval

@@ -1,0 +1,357 @@
+"""The engine of one GPU: target + DSpine drafter, continuous batching, streaming.
+
+``step()`` is ``schedule -> run -> update_from_output`` and nothing else.
+Requests reach callers through sinks (a queue per request), so the same step
+serves the synchronous ``generate``, the iterator ``stream`` and the asyncio
+``generate_stream``. Steps run inline when nobody runs the background loop,
+or on the loop's thread (``start()``) when a server drives the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator
+
+import torch
+
+from .config import EngineConfig
+from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
+from .model_runner import ModelRunner
+from .request import Request
+from .sampling import SamplingParams
+from .scheduler import FcfsScheduler, RequestEvent
+from .stopping import StopChecker
+from .types import GenerationResult, RequestStatus, SpecDecodingStats, StageTimes, StreamChunk
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters since start (plain data; exporters live in cluster/)."""
+
+    num_steps: int = 0
+    num_finished: int = 0
+    num_failed: int = 0
+    num_cancelled: int = 0
+    stage_times: StageTimes = None  # type: ignore[assignment]
+    spec: SpecDecodingStats | None = None
+    peak_draft_pool_used: int = 0
+
+
+class Engine:
+    """Target-plus-DSpine engine for one device. Thread-safe; at most ``max_concurrency`` requests."""
+
+    def __init__(self, target, drafter=None, tokenizer=None, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.device = config.torch_device
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.max_seq_len = config.max_seq_len or target.args.max_position_embeddings
+        self.block_size = drafter.args.block_size if drafter is not None else 0
+        draft_pool, tail_tables = self._build_draft_side()
+        self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
+        self.scheduler = FcfsScheduler(config.max_concurrency)
+        self.stats = EngineStats(stage_times=StageTimes(),
+                                 spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
+        self._lock = threading.RLock()
+        self._sinks: dict[str, Callable[[StreamChunk], None]] = {}
+        self._work = threading.Condition(self._lock)
+        self._loop_thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, draft_dir: str | Path | None = None,
+                        config: EngineConfig = EngineConfig()) -> "Engine":
+        """Load an HF-format target directory and optionally a DSpine draft directory."""
+        from .models.loader import load_target
+        from .tokenizer import Tokenizer
+
+        target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
+        tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
+        drafter = None
+        if draft_dir is not None:
+            from .models.dspine_checkpoint import load_drafter
+
+            drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
+                                   device=config.torch_device, dtype=config.torch_dtype)
+        return cls(target, drafter, tokenizer, config)
+
+    def _build_draft_side(self):
+        if self.drafter is None:
+            return None, None
+        from .draft_kv_pool import DraftKVPool, RingDraftKVPool
+        from .tail import TailTables
+
+        args = self.drafter.args
+        if self.config.draft_pool == "ring":
+            slots = self.config.draft_pool_tokens or self.config.max_concurrency * args.window
+            pool = RingDraftKVPool(args, slots, device=self.device, dtype=self.config.torch_dtype)
+        else:
+            slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len
+            pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_dtype)
+        tables = TailTables.from_drafter(self.drafter, fp8_retrieval=self.config.use_fp8_retrieval)
+        return pool, tables
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
+                    speculative: bool | None = None, request_id: str | None = None,
+                    sink: Callable[[StreamChunk], None] | None = None) -> str:
+        """Validate and admit a request; raises at once if invalid or the engine is full."""
+        speculative = self._resolve_speculative(speculative)
+        self._validate_prompt(prompt_token_ids)
+        request_id = request_id or uuid.uuid4().hex
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(self.target.args.eos_token_id)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        try:
+            checker = StopChecker(params, len(prompt_token_ids), self.max_seq_len, eos, decode)
+        except ValueError as e:
+            raise InvalidRequestError("stop", str(e)) from e
+        request = Request(request_id, prompt_token_ids, params, speculative, checker, max(self.block_size - 1, 0))
+        with self._lock:
+            if self._stopping:
+                raise EngineStoppedError("engine is shutting down")
+            self.scheduler.add_request(request)
+            if sink is not None:
+                self._sinks[request_id] = sink
+            self._work.notify_all()
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request at any moment; its state and slots are freed. False if unknown."""
+        with self._lock:
+            events = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_CANCELLED)
+            self._deliver(events)
+            self._work.notify_all()
+            return bool(events)
+
+    def _resolve_speculative(self, speculative: bool | None) -> bool:
+        if speculative is None:
+            return self.drafter is not None and self.config.speculative_default
+        if speculative and self.drafter is None:
+            raise NoDrafterError("speculative: no drafter loaded; load one with draft_dir or set speculative=False")
+        return bool(speculative)
+
+    def _validate_prompt(self, prompt_token_ids) -> None:
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", "must be a non-empty list of token ids")
+        vocab = self.target.args.vocab_size
+        for i, token in enumerate(prompt_token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidRequestError("prompt_token_ids", f"element {i} = {token!r} is not a token id in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_seq_len:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"prompt has {len(prompt_token_ids)} tokens; the context limit is {self.max_seq_len}"
+            )
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestEvent]:
+        """One engine step over every admitted request: schedule -> run -> update_from_output."""
+        with self._lock:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                return []
+            runner_output = self.runner.execute(scheduler_output, self.scheduler.requests)
+            events = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._account(runner_output, events)
+            self._deliver(events)
+            return events
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.num_unfinished > 0
+
+    def _account(self, runner_output, events: list[RequestEvent]) -> None:
+        self.stats.num_steps += 1
+        self.stats.stage_times.add(runner_output.stage_times)
+        self.stats.peak_draft_pool_used = max(self.stats.peak_draft_pool_used, runner_output.draft_pool_used)
+        if self.stats.spec is not None:
+            for accepted in runner_output.accepted_len.values():
+                self.stats.spec.observe_draft(self.block_size - 1, accepted)
+
+    def _deliver(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            request, release = event.request, event.release
+            finished = release.status is not None
+            if finished:
+                # Free device state now: an idle engine may not step again for a while.
+                self.runner.free([request.request_id])
+                request.stats.finish_time = time.monotonic()
+                self.stats.num_finished += 1
+                self.stats.num_failed += release.status == RequestStatus.FINISHED_ERROR
+                self.stats.num_cancelled += release.status == RequestStatus.FINISHED_CANCELLED
+            sink = self._sinks.pop(request.request_id, None) if finished else self._sinks.get(request.request_id)
+            if sink is None or (not release.token_ids and not release.text and not finished):
+                continue
+            sink(StreamChunk(
+                request_id=request.request_id,
+                token_ids=release.token_ids,
+                text=release.text,
+                finish_reason=release.status.finish_reason if finished else None,
+                stats=request.stats if finished else None,
+                error=request.error if finished else None,
+            ))
+
+    # ------------------------------------------------------ sync front ends
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
+               speculative: bool | None = None, request_id: str | None = None) -> Iterator[StreamChunk]:
+        """Yield chunks as cycles commit tokens; closing the iterator cancels the request."""
+        chunks: queue.Queue[StreamChunk] = queue.Queue()
+        request_id = self.add_request(prompt_token_ids, params, speculative, request_id, sink=chunks.put)
+        finished = False
+        try:
+            while not finished:
+                if self._loop_thread is None:
+                    while chunks.empty():
+                        self.step()
+                chunk = chunks.get()
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                self.cancel(request_id)
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
+                 speculative: bool | None = None, request_id: str | None = None) -> GenerationResult:
+        """Generate to completion; returns tokens, text, finish reason and stats."""
+        return self.generate_many([prompt_token_ids], params, speculative, request_ids=[request_id] if request_id else None)[0]
+
+    def generate_many(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                      speculative: bool | None = None, request_ids: list[str] | None = None) -> list[GenerationResult]:
+        """Run many prompts with continuous batching (at most ``max_concurrency`` at once)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = request_ids or [uuid.uuid4().hex for _ in prompts]
+        chunks: dict[str, list[StreamChunk]] = {i: [] for i in ids}
+        done: queue.Queue[str] = queue.Queue()
+
+        def sink_for(request_id):
+            def sink(chunk: StreamChunk):
+                chunks[request_id].append(chunk)
+                if chunk.finished:
+                    done.put(request_id)
+            return sink
+
+        next_index, num_done = 0, 0
+        while num_done < len(prompts):
+            while next_index < len(prompts) and self.scheduler.num_unfinished < self.config.max_concurrency:
+                self.add_request(prompts[next_index], params_list[next_index], speculative, ids[next_index],
+                                 sink=sink_for(ids[next_index]))
+                next_index += 1
+            if self._loop_thread is None:
+                self.step()
+            else:
+                done.put(done.get())  # wait for progress on the loop thread
+            while not done.empty():
+                done.get()
+                num_done += 1
+        return [self._collect(i, prompt, chunks[i]) for i, prompt in zip(ids, prompts)]
+
+    def _collect(self, request_id: str, prompt: list[int], chunks: list[StreamChunk]) -> GenerationResult:
+        last = chunks[-1]
+        return GenerationResult(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            text="".join(c.text for c in chunks) if self.tokenizer is not None else None,
+            finish_reason=last.finish_reason,
+            stats=last.stats,
+            error=last.error,
+        )
+
+    # ----------------------------------------------------- async front end
+    async def generate_stream(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
+                              speculative: bool | None = None, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Async iterator of chunks, driven by the background loop; cancel/close frees the slot."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        request_id = self.add_request(prompt_token_ids, params, speculative, request_id,
+                                      sink=lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
+        finished = False
+        try:
+            while not finished:
+                chunk = await chunks.get()
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                self.cancel(request_id)
+
+    def start(self) -> None:
+        """Start the background loop thread that steps while requests are in flight."""
+        with self._lock:
+            if self._loop_thread is not None:
+                return
+            self._stopping = False
+            self._loop_thread = threading.Thread(target=self._run_loop, name="dspine-engine", daemon=True)
+            self._loop_thread.start()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuse new requests; finish (drain) or cancel the in-flight ones; stop the loop."""
+        with self._lock:
+            self._stopping = True
+            if not drain:
+                self._deliver(self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_CANCELLED))
+            self._work.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        thread = self._loop_thread
+        if thread is None:
+            while self.has_unfinished() and (deadline is None or time.monotonic() < deadline):
+                self.step()
+        else:
+            thread.join(timeout)
+        with self._lock:
+            self._deliver(self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_CANCELLED))
+            self.step()  # frees the state of everything finished
+            self._loop_thread = None
+
+    def _run_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self.scheduler.num_unfinished == 0 and not self._stopping:
+                    self._work.wait()
+                if self._stopping and self.scheduler.num_unfinished == 0:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a bug in the step itself: fail everything in flight, keep serving
+                logger.exception("engine step failed; failing in-flight requests")
+                with self._lock:
+                    ids = list(self.scheduler.requests)
+                    self._deliver(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR, "engine step failed"))
+
+    # ---------------------------------------------------------------- text
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this engine has no tokenizer; send token ids")
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("token_ids", "this engine has no tokenizer")
+        return self.tokenizer.decode(token_ids)
+
+    def generate_text(self, prompt: str, params: SamplingParams = SamplingParams(),
+                      speculative: bool | None = None) -> GenerationResult:
+        """Encode ``prompt`` with the target's tokenizer and generate."""
+        return self.generate(self.encode(prompt), params, speculative)
+
+    # --------------------------------------------------------------- state
+    def num_live_states(self) -> dict[str, int]:
+        """Live target states and draft slots (zero when idle: the leak check)."""
+        with self._lock:
+            pool = self.runner.draft_pool
+            return {
+                "requests": self.scheduler.num_unfinished,
+                "target_states": self.runner.num_live_states,
+                "draft_slots": pool.used if pool is not None else 0,
+            }

@@ -1,0 +1,245 @@
+"""The model runner: owns every device tensor of the engine and runs one step.
+
+Per request it holds the target state (K/V, GDN conv/recurrent state), its
+draft KV pool slots and its random generator. A step is: free finished
+requests, prefill new ones, one speculative cycle for the speculative batch
+(draft -> tail -> verify -> commit), one target-only token for the rest.
+
+A failure inside a batch is retried request by request, so only the request
+that fails again is ended; its pending target positions are dropped and its
+slots freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from . import sampling, verify
+from .config import EngineConfig
+from .request import Request
+from .types import RunnerOutput, SchedulerOutput, StageTimes
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, target, drafter, tail_tables, draft_pool, config: EngineConfig, device: torch.device):
+        self.target = target
+        self.drafter = drafter
+        self.tail_tables = tail_tables
+        self.draft_pool = draft_pool
+        self.config = config
+        self.device = device
+        self.feature_layers = tuple(drafter.args.feature_layers) if drafter is not None else ()
+        self.states: dict = {}  # request_id -> TargetState
+        self.generators: dict[str, torch.Generator] = {}
+        # Test hook: called with the request ids of each stage; raising inside simulates a failure.
+        self.fault_hook: Callable[[str, list[str]], None] | None = None
+
+    # ------------------------------------------------------------------ step
+    def execute(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
+        """Run one step for the scheduled requests; never raises for a per-request failure."""
+        out = RunnerOutput.make_empty()
+        self.free(scheduler_output.finished_ids)
+        if scheduler_output.prefill_ids:
+            self._isolated(self._prefill, scheduler_output.prefill_ids, requests, out)
+        if scheduler_output.speculative_ids:
+            self._isolated(self._speculative_cycle, scheduler_output.speculative_ids, requests, out)
+        if scheduler_output.target_only_ids:
+            self._isolated(self._target_step, scheduler_output.target_only_ids, requests, out)
+        if self.draft_pool is not None:
+            out.draft_pool_used = self.draft_pool.used
+        return out
+
+    def free(self, request_ids: list[str]) -> None:
+        """Drop the target state, draft slots and generator of finished requests."""
+        for request_id in request_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                state.release()
+            self.generators.pop(request_id, None)
+            if self.draft_pool is not None and self.draft_pool.has_request(request_id):
+                self.draft_pool.free_request(request_id)
+
+    @property
+    def num_live_states(self) -> int:
+        return len(self.states)
+
+    def _isolated(self, stage, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
+        try:
+            stage(request_ids, requests, out)
+            return
+        except Exception:  # noqa: BLE001 - isolate below, one request at a time
+            if len(request_ids) == 1:
+                self._fail(request_ids[0], out)
+                return
+            self._rollback(request_ids)
+        for request_id in request_ids:
+            try:
+                stage([request_id], requests, out)
+            except Exception:  # noqa: BLE001 - this request alone fails
+                self._fail(request_id, out)
+
+    def _fail(self, request_id: str, out: RunnerOutput) -> None:
+        import traceback
+
+        error = traceback.format_exc(limit=3)
+        logger.error("request %s failed:\n%s", request_id, error)
+        out.failed[request_id] = error.strip().splitlines()[-1]
+        out.new_token_ids.pop(request_id, None)
+        self._rollback([request_id])
+        self.free([request_id])
+
+    def _rollback(self, request_ids: list[str]) -> None:
+        states = [self.states[r] for r in request_ids if r in self.states]
+        if states:
+            self.target.commit(states, [0] * len(states))
+
+    def _fault(self, stage: str, request_ids: list[str]) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(stage, request_ids)
+
+    @contextmanager
+    def _timed(self, times: StageTimes, name: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        setattr(times, name, getattr(times, name) + time.perf_counter() - start)
+
+    # --------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def _prefill(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
+        times = StageTimes()
+        self._fault("prefill", request_ids)
+        batch = [requests[r] for r in request_ids]
+        with self._timed(times, "prefill"):
+            for request in batch:
+                if request.request_id not in self.states:
+                    self.states[request.request_id] = self.target.new_state(device=self.device, dtype=self.target_dtype)
+                    self.generators[request.request_id] = sampling.make_generator(request.params.seed, self.device)
+            states = [self.states[r] for r in request_ids]
+            prompts = [torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device) for r in batch]
+            wants_features = any(r.speculative for r in batch)
+            result = self.target.forward_step(prompts, states, feature_layers=self.feature_layers if wants_features else ())
+            lengths = [len(p) for p in prompts]
+            self.target.commit(states, lengths)
+            last_logits = torch.stack([result.logits[b, n - 1] for b, n in enumerate(lengths)])
+            first_tokens = self._sample(last_logits, batch)
+            for b, request in enumerate(batch):
+                if request.speculative:
+                    if not self.draft_pool.has_request(request.request_id):
+                        self.draft_pool.alloc_request(request.request_id)
+                    self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
+        for request, token in zip(batch, first_tokens):
+            out.new_token_ids[request.request_id] = [token]
+            request.stats.stage_times.prefill += times.prefill / len(batch)
+        out.stage_times.add(times)
+
+    # ----------------------------------------------------- target-only decode
+    @torch.inference_mode()
+    def _target_step(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
+        times = StageTimes()
+        self._fault("target_step", request_ids)
+        batch = [requests[r] for r in request_ids]
+        with self._timed(times, "target_step"):
+            states = [self.states[r] for r in request_ids]
+            inputs = torch.tensor([[r.pending_token_id] for r in batch], dtype=torch.long, device=self.device)
+            result = self.target.forward_step(inputs, states)
+            self.target.commit(states, [1] * len(batch))
+            tokens = self._sample(result.logits[:, 0], batch)
+        for request, token in zip(batch, tokens):
+            out.new_token_ids[request.request_id] = [token]
+            request.stats.stage_times.target_step += times.target_step / len(batch)
+        out.stage_times.add(times)
+
+    # ------------------------------------------------------ speculative cycle
+    @torch.inference_mode()
+    def _speculative_cycle(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
+        times = StageTimes()
+        batch = [requests[r] for r in request_ids]
+        params = [r.params for r in batch]
+        generators = [self.generators[r] for r in request_ids]
+        anchors = torch.tensor([r.pending_token_id for r in batch], dtype=torch.long, device=self.device)
+
+        with self._timed(times, "draft"):
+            self._fault("draft", request_ids)
+            draft_out = self.drafter.draft(self.draft_pool, request_ids, anchors)
+        with self._timed(times, "tail"):
+            self._fault("tail", request_ids)
+            proposal = self.propose(request_ids, requests, draft_out, anchors, params, generators)
+        with self._timed(times, "verify"):
+            self._fault("verify", request_ids)
+            states = [self.states[r] for r in request_ids]
+            block = torch.cat([anchors[:, None], proposal.draft_ids], dim=1)  # [NB, BS]
+            result = self.target.forward_step(block, states, feature_layers=self.feature_layers)
+            verdict = self._verify(proposal, result.logits, batch, generators)
+        with self._timed(times, "commit"):
+            self._fault("commit", request_ids)
+            accepted = verdict.accepted_len.tolist()
+            self.target.commit(states, [a + 1 for a in accepted])
+            self.drafter.append_context(
+                self.draft_pool, request_ids, [result.features[b, : accepted[b] + 1] for b in range(len(batch))]
+            )
+            tokens = verdict.output_ids.tolist()
+        for b, request in enumerate(batch):
+            emitted = tokens[b][: accepted[b] + 1]
+            out.new_token_ids[request.request_id] = emitted
+            out.accepted_len[request.request_id] = accepted[b]
+            request.stats.peak_draft_pool_slots = max(
+                request.stats.peak_draft_pool_slots, self.draft_pool.request_len(request.request_id)
+            )
+            share = 1.0 / len(batch)
+            for name in ("draft", "tail", "verify", "commit"):
+                setattr(request.stats.stage_times, name, getattr(request.stats.stage_times, name) + getattr(times, name) * share)
+        out.stage_times.add(times)
+
+    def propose(self, request_ids, requests, draft_out, anchors, params, generators):
+        """The tail's proposal for the batch; tests replace this to force acceptance patterns."""
+        from . import tail
+
+        temperature, top_k, top_p = sampling.batch_params(params, device=self.device)
+        return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators)
+
+    def _verify(self, proposal, target_logits: torch.Tensor, batch: list[Request], generators):
+        # target_logits: [NB, BS, V]; p is built by the same filtering as target-only sampling.
+        num_draft = proposal.draft_ids.shape[1]
+        nb, bs, vocab = target_logits.shape
+        greedy = torch.tensor([r.params.is_greedy for r in batch], device=self.device)
+        temperature, top_k, top_p = self._param_tensors(batch)
+        target_probs = sampling.probabilities(
+            target_logits.reshape(nb * bs, vocab),
+            temperature.repeat_interleave(bs), top_k.repeat_interleave(bs), top_p.repeat_interleave(bs),
+        ).reshape(nb, bs, vocab)
+        # A fixed number of coins per request per cycle keeps each request's random stream
+        # independent of acceptance and of its neighbours.
+        coins = sampling.draw_uniforms(generators, num_draft + 1, device=self.device)  # [NB, BS]
+        return verify.verify_sampled(
+            proposal.draft_ids, proposal.q, target_probs, coins[:, :num_draft], coins[:, num_draft],
+            draft_q_ids=proposal.cand_ids, greedy=greedy,
+        )
+
+    # --------------------------------------------------------------- helpers
+    @property
+    def target_dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+    def _param_tensors(self, batch: list[Request]):
+        return sampling.batch_params([r.params for r in batch], device=self.device)
+
+    def _sample(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
+        """One token per row from the target distribution after each request's filtering."""
+        # logits: [N, V]
+        if all(r.params.is_greedy for r in batch):
+            return logits.argmax(dim=-1).tolist()
+        temperature, top_k, top_p = self._param_tensors(batch)
+        probs = sampling.probabilities(logits, temperature, top_k, top_p)
+        uniforms = sampling.draw_uniforms([self.generators[r.request_id] for r in batch], 1, device=self.device)[:, 0]
+        return sampling.sample(probs, uniforms).tolist()

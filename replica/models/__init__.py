@@ -1,0 +1,1 @@
+"""Model definitions: the Qwen3.5-family target and the DSpine drafter."""

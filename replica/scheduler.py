@@ -1,0 +1,119 @@
+"""The scheduler contract and the first-come-first-served scheduler.
+
+The engine's step is three calls: ``schedule()`` decides what the model runner
+does, the runner does it, ``update_from_output()`` applies the result (stop
+checks, status changes, stats). The scheduler owns request status; it knows
+nothing of tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import EngineFullError
+from .request import Request
+from .stopping import Release
+from .types import RequestStatus, RunnerOutput, SchedulerOutput
+
+
+@dataclass
+class RequestEvent:
+    """One request's visible change after a step."""
+
+    request: Request
+    release: Release  # tokens/text released this step; ``release.status`` set when it finished
+
+
+class SchedulerInterface(abc.ABC):
+    @abc.abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Admit a request or raise :class:`EngineFullError` at once (never queue past the cap)."""
+
+    @abc.abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step: which requests prefill, which decode (and how), which to free."""
+
+    @abc.abstractmethod
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestEvent]:
+        """Apply the runner's tokens, run stop checks, finish requests; returns per-request events."""
+
+    @abc.abstractmethod
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:
+        """Finish requests from outside a step (cancel, shutdown); their state is freed next step."""
+
+
+class FcfsScheduler(SchedulerInterface):
+    """All admitted requests run together; new ones are prefilled at the next step.
+
+    The cap ``max_concurrency`` counts every unfinished request, waiting or
+    running: the engine never holds more, whatever the router in front does.
+    """
+
+    def __init__(self, max_concurrency: int):
+        self.max_concurrency = max_concurrency
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._waiting: deque[str] = deque()
+        self._to_free: list[str] = []  # finished since the last schedule()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in flight")
+        if len(self.requests) >= self.max_concurrency:
+            raise EngineFullError(len(self.requests), self.max_concurrency)
+        self.requests[request.request_id] = request
+        self._waiting.append(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        prefill_ids = list(self._waiting)
+        self._waiting.clear()
+        running = [r for r in self.requests.values() if r.status == RequestStatus.RUNNING]
+        output = SchedulerOutput(
+            prefill_ids=prefill_ids,
+            speculative_ids=[r.request_id for r in running if r.speculative],
+            target_only_ids=[r.request_id for r in running if not r.speculative],
+            finished_ids=self._to_free,
+        )
+        self._to_free = []
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestEvent]:
+        events = []
+        for request_id, error in runner_output.failed.items():
+            events += self.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
+        for request_id, token_ids in runner_output.new_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None:  # cancelled while the step ran
+                continue
+            if request.status == RequestStatus.WAITING:
+                request.status = RequestStatus.RUNNING
+            if request_id in runner_output.accepted_len and request.stats.spec is not None:
+                request.stats.spec.observe_draft(request.stats.spec.num_draft_slots, runner_output.accepted_len[request_id])
+            release = request.append_committed(token_ids)
+            if release.status is not None:
+                self._finish(request, release.status)
+            events.append(RequestEvent(request, release))
+        return events
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:
+        events = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.error = error
+            self._finish(request, status)
+            events.append(RequestEvent(request, Release([], "", status)))
+        return events
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        del self.requests[request.request_id]
+        if request.request_id in self._waiting:
+            self._waiting.remove(request.request_id)
+        self._to_free.append(request.request_id)

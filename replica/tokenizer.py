@@ -1,0 +1,78 @@
+"""Tokenizer of a model directory: `tokenizers.Tokenizer` from tokenizer.json, plus special ids.
+
+- eos ids: union (in order) of tokenizer_config.json `eos_token`,
+  generation_config.json and config.json `eos_token_id` (int or list).
+- bos id and `chat_template` from tokenizer_config.json when present
+  (the template string is exposed; rendering it is the caller's business).
+- `vocab_size` is the tokenizer's (with added tokens); the model's embedding
+  may be larger (padded).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+
+
+def _token_content(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_ids=(), bos_token_id: int | None = None,
+                 chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, path) -> "Tokenizer":
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        tok = tokenizers.Tokenizer.from_file(str(file))
+        cfg = cls._read_json(path / "tokenizer_config.json")
+        eos: list[int] = []
+        bos = None
+        name = _token_content(cfg.get("eos_token"))
+        if name is not None:
+            tid = tok.token_to_id(name)
+            if tid is None:
+                raise ValueError(f"tokenizer_config.json eos_token {name!r} is not in tokenizer.json")
+            eos.append(tid)
+        name = _token_content(cfg.get("bos_token"))
+        if name is not None:
+            bos = tok.token_to_id(name)
+        for extra in ("generation_config.json", "config.json"):
+            data = cls._read_json(path / extra)
+            data = data.get("text_config", data) if "eos_token_id" not in data else data
+            eos += _as_ids(data.get("eos_token_id"))
+        return cls(tok, eos, bos, cfg.get("chat_template"))
+
+    @staticmethod
+    def _read_json(file: Path) -> dict:
+        return json.loads(file.read_text()) if file.exists() else {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)

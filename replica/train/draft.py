@@ -1,0 +1,396 @@
+"""Distil a DSpine drafter from a frozen target (CPU-friendly, seeded).
+
+The labels are the target's OWN greedy continuations, not corpus text.
+Greedy speculative decoding accepts a proposed token exactly when it equals
+the target's argmax given everything before it, so the drafter should learn to
+predict what the target says at temperature 0, mistakes and repetitions
+included. The data recipe:
+
+1. Prompts: windows cut at seeded random offsets from the TRAIN split of the
+   stdlib corpus (``corpus.read_texts("train")``; the held-out files that the
+   benchmarks prompt with are never used). The prompt length varies per
+   generation batch (``prompt_lens``); every sequence has ``seq_len`` tokens.
+2. Continuations: the frozen target decodes each batch greedily with the
+   batched stateful API (``forward_step`` + ``commit``, argmax with ties to the
+   lower id), so every token after the prompt is exactly the target's
+   temperature-0 choice. The token sequences are cached on disk
+   (``<out_dir>/distill_cache`` by default, keyed by the target weights'
+   hash and the data settings), so reruns skip generation.
+3. Context features: the target's stateless forward with the drafter's taps,
+   computed once for all sequences and kept in memory in bf16.
+
+Training step: for each sequence pick ``anchors_per_seq`` anchors ``a`` with
+``prompt_len - 1 <= a <= seq_len - BS`` (so all BS-1 labels are target
+output). The block is row 0 = the anchor token, rows 1..BS-1 = placeholder;
+its context is the fused features of positions < a inside the window; the
+labels are ``x[a+1 .. a+BS-1]``. ``DSpineDrafter.forward_train`` runs all
+blocks without the KV pool (same maths as ``append_context`` + ``draft``).
+
+Loss = main + ``tail_weight`` * tail, both position-weighted by
+``exp(-(k-1)/decay_gamma)`` for row k (normalised; acceptance stops at the
+first miss, so late rows matter less):
+
+- main: cross-entropy of the drafter's logits (final norm + the target's LM
+  head) for rows 1..BS-1; this is what the tail's candidate retrieval reads.
+- tail: the LAST bridge write recomputed with the TRUE predecessor's code
+  ``sqrt(D) * codebook[x[a+k-1]]`` (row 1: the anchor) in place of the
+  predicted code, then final norm + head, cross-entropy against ``x[a+k]``.
+  This is exactly the score the serving tail maximises when its chain is
+  still on the target's path, and it trains the codebook and the gates.
+
+The target's embedding and LM head are frozen and shared (never copied into
+the checkpoint). AdamW, linear warmup + cosine, gradient clipping. The result
+is saved with ``save_drafter`` (what ``load_drafter`` and the engine read),
+plus ``train_summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..models.dspine import DSpineDrafter
+from ..models.dspine_checkpoint import save_drafter
+from ..models.dspine_config import DraftArgs
+from ..models.loader import load_target
+from ..tokenizer import Tokenizer
+from . import corpus
+
+# The embedded drafter's geometry (for the 256-wide, 6-layer, 4096-vocab target).
+# hidden = the target's (the LM head is shared); 2 layers (the 27B pair drafts with
+# 5 layers against 64, the drafter must stay much cheaper than the target); attention
+# 4 x 64 query / 2 KV heads and FFN 768 like the target's own layers; code width 128
+# and message width 64 (M = D / 2 as in the 27B's 1024 / 512); K = 16 candidates from
+# R = 128 retrieved as in the release; window 512 covers every training sequence and
+# the benchmark contexts (64-token prompt + 128 new tokens) with room to spare.
+TINY_DRAFTER = dict(
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768, window=512,
+    rope_base=10_000.0, code_dim=128, message_dim=64, head_topk=16, num_retrieve=128, block_size=16,
+)
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    target_dir: str
+    out_dir: str
+    steps: int = 1500
+    seed: int = 0
+    max_files: int | None = None  # limit the corpus (pipeline tests)
+    # distillation data
+    num_sequences: int = 2048  # greedy continuations generated from train-split prompts
+    seq_len: int = 256  # prompt + continuation
+    prompt_lens: tuple[int, ...] = (32, 64, 96, 128)  # cycled over generation batches
+    gen_batch: int = 64  # prompts decoded together with forward_step / commit
+    cache_dir: str | None = None  # default: <out_dir>/distill_cache
+    eval_sequences: int = 32  # held-out continuations for the final acceptance estimate (0: skip)
+    eval_prompt_len: int = 64  # as `dspine bench engine`'s prompts
+    # drafter
+    model_overrides: tuple = ()  # (key, value) pairs over TINY_DRAFTER
+    # optimisation
+    batch_size: int = 16  # sequences per step
+    anchors_per_seq: int = 8  # blocks per sequence per step
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    decay_gamma: float = 7.0  # row k weight exp(-(k-1)/gamma)
+    tail_weight: float = 1.0
+    threads: int = 0  # 0 -> torch's default
+    log_every: int = 50
+
+
+# ----------------------------------------------------------------------------- data
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _target_fingerprint(target_dir: Path) -> str:
+    parts = sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json", target_dir / "tokenizer.json"]
+    return hashlib.sha256("".join(_file_digest(p) for p in parts if p.exists()).encode()).hexdigest()[:16]
+
+
+def sample_prompts(tokenizer: Tokenizer, split: str, count: int, lengths: list[int], seed: int,
+                   max_files: int | None = None) -> list[list[int]]:
+    """``count`` prompts, prompt i of length ``lengths[i]``, cut at seeded random offsets from the split's
+    files (files visited in a seeded random order, a few windows per file, so the prompts are diverse)."""
+    texts = corpus.read_texts(split, max_files=max_files)
+    if not texts:
+        raise ValueError(f"no {split} corpus files")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(texts), generator=g).tolist()
+    prompts: list[list[int]] = []
+    rounds = 0
+    while len(prompts) < count:
+        for start in range(0, len(order), 64):  # tokenize 64 files at a time (Rust batch encode)
+            chunk = [texts[i] for i in order[start : start + 64]]
+            for enc in tokenizer.tokenizer.encode_batch(chunk):
+                ids = enc.ids
+                per_file = max(1, len(ids) // 2048)
+                for _ in range(per_file):
+                    n = lengths[len(prompts)]
+                    if len(ids) <= n:
+                        break
+                    off = int(torch.randint(0, len(ids) - n, (1,), generator=g))
+                    prompts.append(ids[off : off + n])
+                    if len(prompts) == count:
+                        return prompts
+        rounds += 1
+        if rounds > 100:
+            raise ValueError(f"the {split} corpus is too small for {count} prompts")
+    return prompts
+
+
+@torch.no_grad()
+def greedy_continue(target, prompts: torch.Tensor, total_len: int) -> torch.Tensor:
+    """prompts [B, P] -> [B, total_len]: the prompt followed by the target's greedy tokens
+    (batched stateful decoding: one prefill, then one forward_step + commit per token)."""
+    B, P = prompts.shape
+    out = torch.empty(B, total_len, dtype=torch.long)
+    out[:, :P] = prompts
+    if total_len == P:
+        return out
+    states = [target.new_state() for _ in range(B)]
+    step = target.forward_step(prompts, states)
+    target.commit(states, [P] * B)
+    for t in range(P, total_len):
+        nxt = step.logits[:, -1].argmax(-1)  # ties -> lower id
+        out[:, t] = nxt
+        if t + 1 < total_len:
+            step = target.forward_step(nxt[:, None], states)
+            target.commit(states, [1] * B)
+    for s in states:
+        s.release()
+    return out
+
+
+def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg: DraftTrainConfig, seed: int,
+                      cache: Path | None, log=print) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [count, seq_len] int64, prompt_len [count] int64)``, from the cache when it matches."""
+    lens = [cfg.prompt_lens[(i // cfg.gen_batch) % len(cfg.prompt_lens)] for i in range(count)]
+    if cache is not None and cache.exists():
+        data = load_file(str(cache))
+        log(f"distillation data ({split}): {count} cached sequences from {cache}")
+        return data["tokens"].long(), data["prompt_len"].long()
+    prompts = sample_prompts(tokenizer, split, count, lens, seed, cfg.max_files)
+    start = time.time()
+    rows = []
+    for b0 in range(0, count, cfg.gen_batch):
+        batch = torch.tensor(prompts[b0 : b0 + cfg.gen_batch], dtype=torch.long)
+        rows.append(greedy_continue(target, batch, cfg.seq_len))
+        done = b0 + batch.shape[0]
+        log(f"  generated {done}/{count} {split} continuations ({time.time() - start:.0f} s)")
+    tokens, prompt_len = torch.cat(rows), torch.tensor(lens, dtype=torch.long)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"tokens": tokens.int().contiguous(), "prompt_len": prompt_len.int()}, str(cache))
+    return tokens, prompt_len
+
+
+@torch.no_grad()
+def target_features(target, tokens: torch.Tensor, taps: tuple[int, ...], chunk: int = 16,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[N, L, F, H] target taps of every position (stateless forward, chunked), stored in ``dtype``."""
+    N, L = tokens.shape
+    out = torch.empty(N, L, len(taps), target.args.hidden_size, dtype=dtype)
+    for i in range(0, N, chunk):
+        out[i : i + chunk] = target(tokens[i : i + chunk], feature_layers=taps).features.to(dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- losses
+def row_weights(num_rows: int, gamma: float, device=None) -> torch.Tensor:
+    """[num_rows] exp(-(k-1)/gamma) for rows k = 1..num_rows, normalised to sum 1."""
+    w = torch.exp(-torch.arange(num_rows, device=device, dtype=torch.float32) / gamma)
+    return w / w.sum()
+
+
+def tail_hidden(drafter: DSpineDrafter, out, pred_ids: torch.Tensor) -> torch.Tensor:
+    """The last bridge write of rows 1..BS-1 redone with the codes of given predecessor tokens.
+    out: forward_train's DraftOut ([B, A, BS, ...]); pred_ids [B, A, BS-1] -> final-normed hidden
+    [B, A, BS-1, H] (what the serving tail scores: head_i . RMSNorm_g(x_t + r_t W m_t(j)))."""
+    br = drafter.bridge
+    c_pred = math.sqrt(drafter.args.code_dim) * br.codebook[pred_ids]  # [B, A, BS-1, D]
+    c_recv = out.codes[:, :, 1:]
+    gate = torch.sigmoid(c_recv @ br.gate_recv.t() + c_pred @ br.gate_pred.t() + br.gate_bias)
+    m = gate * (c_pred @ br.value_proj.t())  # [B, A, BS-1, M]
+    x = out.x_last[:, :, 1:] + out.rms[:, :, 1:, None] * (m @ br.write_proj[-1].t())
+    return drafter.norm(x)
+
+
+def block_losses(drafter: DSpineDrafter, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                 weights: torch.Tensor) -> dict:
+    """Main and tail losses of the blocks at ``anchors [B, A]`` plus greedy-acceptance statistics.
+
+    ``accept``: mean number of leading rows the serving greedy tail would get right (the label is among
+    the K candidates of the parallel logits and wins the candidate-restricted tail score given the true
+    predecessor); ``accept_main``: leading rows where the parallel argmax is right."""
+    BS = drafter.args.block_size
+    out = drafter.forward_train(features, tokens, anchors)
+    idx = anchors[..., None] + torch.arange(BS, device=anchors.device)  # [B, A, BS]
+    block_tokens = tokens.gather(1, idx.flatten(1)).view_as(idx)
+    labels, preds = block_tokens[:, :, 1:], block_tokens[:, :, :-1]  # [B, A, BS-1]
+    logits = drafter.logits(out.hidden[:, :, 1:])  # [B, A, BS-1, V]
+    tail_logits = drafter.logits(tail_hidden(drafter, out, preds))
+    V = logits.shape[-1]
+    ce_main = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(labels)
+    ce_tail = F.cross_entropy(tail_logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(labels)
+    with torch.no_grad():
+        K = drafter.args.head_topk
+        cand = logits.topk(K, dim=-1).indices  # [B, A, BS-1, K]
+        in_cand = (cand == labels[..., None]).any(-1)
+        tail_pick = cand.gather(-1, tail_logits.gather(-1, cand).argmax(-1, keepdim=True)).squeeze(-1)
+        hit_tail = in_cand & (tail_pick == labels)
+        hit_main = logits.argmax(-1) == labels
+    return {
+        "main": (ce_main * weights).sum(-1).mean(),
+        "tail": (ce_tail * weights).sum(-1).mean(),
+        "accept": hit_tail.int().cumprod(-1).sum(-1).float().mean(),
+        "accept_main": hit_main.int().cumprod(-1).sum(-1).float().mean(),
+        "top1_row1": hit_main[..., 0].float().mean(),
+    }
+
+
+def sample_anchors(prompt_len: torch.Tensor, seq_len: int, block_size: int, per_seq: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """[B, per_seq] anchors a with prompt_len - 1 <= a <= seq_len - block_size (all labels are target output)."""
+    lo = (prompt_len - 1).clamp(min=0)
+    span = (seq_len - block_size + 1 - lo).clamp(min=1)
+    u = torch.rand(len(prompt_len), per_seq, generator=generator)
+    return lo[:, None] + (u * span[:, None]).long().clamp(max=span[:, None] - 1)
+
+
+def _lr_at(step: int, cfg: DraftTrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@torch.no_grad()
+def evaluate(drafter, features, tokens, prompt_len, cfg: DraftTrainConfig, weights, seed: int = 1234) -> dict:
+    """Losses and acceptance estimates over fixed anchors of a set of sequences."""
+    g = torch.Generator().manual_seed(seed)
+    anchors = sample_anchors(prompt_len, tokens.shape[1], drafter.args.block_size, cfg.anchors_per_seq, g)
+    sums: dict[str, float] = {}
+    n = 0
+    for i in range(0, len(tokens), cfg.batch_size):
+        sl = slice(i, i + cfg.batch_size)
+        res = block_losses(drafter, features[sl].float(), tokens[sl], anchors[sl], weights)
+        b = tokens[sl].shape[0]
+        for k, v in res.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * b
+        n += b
+    return {k: v / max(1, n) for k, v in sums.items()}
+
+
+# ----------------------------------------------------------------------------- recipe
+_print = functools.partial(print, flush=True)  # the CLI's log usually goes to a file
+
+
+def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
+    """Generate (or load) the distillation data, train the drafter, save it to ``cfg.out_dir``."""
+    t0 = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    target_dir, out = Path(cfg.target_dir), Path(cfg.out_dir)
+    target = load_target(target_dir).eval().requires_grad_(False)
+    tokenizer = Tokenizer.from_dir(target_dir)
+    args = DraftArgs.for_target(target.args, **{**TINY_DRAFTER, **dict(cfg.model_overrides)})
+    taps = tuple(args.feature_layers)
+    if max(*cfg.prompt_lens, cfg.eval_prompt_len) > cfg.seq_len - args.block_size + 1:
+        raise ValueError(f"prompt_lens {cfg.prompt_lens} / eval_prompt_len {cfg.eval_prompt_len}: need "
+                         f"<= seq_len - block_size + 1 = {cfg.seq_len - args.block_size + 1} (labels are target output)")
+
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "distill_cache"
+    key = json.dumps([_target_fingerprint(target_dir), cfg.num_sequences, cfg.seq_len, list(cfg.prompt_lens),
+                      cfg.gen_batch, cfg.seed, cfg.max_files])
+    tag = hashlib.sha256(key.encode()).hexdigest()[:12]
+    tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
+                                           cache_dir / f"train-{tag}.safetensors", log)
+    gen_seconds = time.time() - t0
+    features = target_features(target, tokens, taps)
+    log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
+        f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens), features {tuple(features.shape)} "
+        f"bf16; data ready after {time.time() - t0:.0f} s")
+
+    drafter = DSpineDrafter(args, target.embed_tokens, target.lm_head_weight)
+    drafter.init_weights(torch.Generator().manual_seed(cfg.seed))
+    drafter.train()
+    n_params = sum(p.numel() for p in drafter.parameters())
+    log(f"drafter: {n_params:,} parameters ({args.num_layers} layers, H {args.hidden_size}, D {args.code_dim}, "
+        f"M {args.message_dim}, window {args.window}, taps {taps})")
+    no_decay = {"bridge.codebook", "bridge.gate_bias", "mask_embedding"}
+    decay = [p for n, p in drafter.named_parameters() if p.dim() >= 2 and n not in no_decay]
+    rest = [p for n, p in drafter.named_parameters() if p.dim() < 2 or n in no_decay]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    weights = row_weights(args.block_size - 1, cfg.decay_gamma)
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    N, L = tokens.shape
+    history, first, last = [], None, None
+    train_start = time.time()
+    for step in range(cfg.steps):
+        lr = _lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=g)
+        anchors = sample_anchors(prompt_len[idx], L, args.block_size, cfg.anchors_per_seq, g)
+        res = block_losses(drafter, features[idx].float(), tokens[idx], anchors, weights)
+        loss = res["main"] + cfg.tail_weight * res["tail"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        row = {"step": step, "loss": loss.item(), "main": res["main"].item(), "tail": res["tail"].item(),
+               "accept": res["accept"].item(), "accept_main": res["accept_main"].item()}
+        first = first or row
+        history.append(row)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            recent = history[-cfg.log_every:]
+            mean = {k: sum(r[k] for r in recent) / len(recent) for k in ("loss", "main", "tail", "accept")}
+            rate = (time.time() - train_start) / (step + 1)
+            log(f"step {step:5d}  loss {mean['loss']:.3f} (main {mean['main']:.3f}, tail {mean['tail']:.3f})  "
+                f"accept {mean['accept']:.2f}  lr {lr:.2e}  {rate:.2f} s/step")
+            last = mean
+    train_seconds = time.time() - train_start
+    drafter.eval()
+    save_drafter(drafter, out)
+
+    summary = {
+        "steps": cfg.steps, "seed": cfg.seed, "parameters": n_params,
+        "first_loss": first["loss"] if first else None, "final_loss": last["loss"] if last else None,
+        "final_train_accept": last["accept"] if last else None,
+        "num_sequences": int(N), "seq_len": int(L), "data_seconds": gen_seconds,
+        "train_seconds": train_seconds, "config": {k: (list(v) if isinstance(v, tuple) else v)
+                                                   for k, v in asdict(cfg).items()},
+        "draft_args": args.to_config(),
+    }
+    if cfg.eval_sequences:
+        ev_cfg = dataclasses.replace(cfg, prompt_lens=(cfg.eval_prompt_len,))
+        ev_tag = f"{tag}-{cfg.eval_sequences}-{cfg.eval_prompt_len}"
+        ev_tokens, ev_plen = distillation_data(target, tokenizer, "heldout", cfg.eval_sequences, ev_cfg, cfg.seed,
+                                               cache_dir / f"heldout-{ev_tag}.safetensors", log)
+        ev = evaluate(drafter, target_features(target, ev_tokens, taps), ev_tokens, ev_plen, cfg, weights)
+        summary["heldout"] = ev
+        log(f"held-out ({cfg.eval_sequences} target-greedy sequences): main {ev['main']:.3f}, tail {ev['tail']:.3f}, "
+            f"estimated greedy accepted length {ev['accept']:.2f} (parallel argmax only {ev['accept_main']:.2f})")
+    summary["total_seconds"] = time.time() - t0
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"drafter saved to {out} ({summary['total_seconds']:.0f} s)")
+    return summary

@@ -1,0 +1,76 @@
+"""The `dspine` command line on a tiny saved pair (same loaders as any checkpoint)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+
+import pytest
+import torch
+
+from dspine.cluster.cli import main
+from dspine.replica import Engine, EngineConfig, SamplingParams
+from dspine.replica.models.dspine_checkpoint import init_random_drafter, save_drafter
+from dspine.replica.models.dspine_config import DraftArgs
+from dspine.replica.models.loader import save_target
+from dspine.replica.models.target import TargetModel
+from dspine.replica.models.target_config import TARGET_CONFIGS, TargetArgs
+from dspine.replica.train.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target_dir, draft_dir = root / "target", root / "draft"
+    tokenizer = train_tokenizer([inspect.getsource(textwrap)], vocab_size=400, out_dir=target_dir)
+    torch.manual_seed(0)
+    args = TargetArgs(**{**TARGET_CONFIGS["tiny"], "vocab_size": 512,
+                         "eos_token_id": (tokenizer.token_to_id("<|endoftext|>"),)})
+    target = TargetModel(args)
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if param.dim() >= 2 and "conv1d" not in name:
+                param.normal_(0.0, 0.08)
+    save_target(target, target_dir)
+    drafter = init_random_drafter(target, DraftArgs.for_target(args, window=16, num_retrieve=32), seed=0)
+    save_drafter(drafter, draft_dir)
+    return str(target_dir), str(draft_dir)
+
+
+def test_info_prints_the_article_figures(capsys):
+    assert main(["info", "--draft-preset", "dspine-27b-b16"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("20,480 B", "160 MiB", "2.5 GiB", "485 MiB", "727.5 MiB"):
+        assert figure in out
+
+
+@pytest.mark.parametrize("spec_flag", [[], ["--no-spec"]], ids=["speculative", "target-only"])
+def test_generate_json_equals_the_engine(saved_pair, capsys, spec_flag):
+    target_dir, draft_dir = saved_pair
+    argv = ["generate", "--target", target_dir, "--draft", draft_dir, "--prompt", "def wrap(text):",
+            "--max-new-tokens", "20", "--json", "--device", "cpu", "--dtype", "float32", *spec_flag]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    engine = Engine.from_pretrained(target_dir, draft_dir, EngineConfig(device="cpu", dtype="float32"))
+    expected = engine.generate_text("def wrap(text):", SamplingParams(max_new_tokens=20), speculative=not spec_flag)
+    assert printed["token_ids"] == expected.token_ids
+    assert printed["text"] == expected.text
+    assert printed["speculative"] == (not spec_flag)
+
+
+def test_bench_engine_reports_a_ratio_measured_in_one_run(saved_pair, capsys):
+    target_dir, draft_dir = saved_pair
+    argv = ["bench", "engine", "--target", target_dir, "--draft", draft_dir, "--num-prompts", "2",
+            "--prompt-len", "8", "--max-new-tokens", "12", "--json", "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_greedy_output"] is True
+    assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_only_tokens_per_s"])
+    assert report["target_only_tokens"] == report["speculative_tokens"] == 24
+    assert sum(report["accepted_len_histogram"]) >= 2
+
+
+def test_missing_target_dir_is_a_clear_error(capsys, tmp_path):
+    assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt", "x", "--no-spec"]) == 2
+    assert "nope" in capsys.readouterr().err

@@ -1,0 +1,210 @@
+"""The standalone server over a real socket: equivalence with the engine, limits, cancel, drain, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import threading
+
+import grpc
+import pytest
+
+from dspine.cluster.client import AsyncDSpineClient, DSpineClient, RetryPolicy
+from dspine.cluster.client_errors import (
+    Cancelled,
+    DeadlineExceeded,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from dspine.replica import SamplingParams
+
+from .conftest import idle, make_engine, wait_until
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
+def test_unary_and_stream_equal_engine(serve, tokenizer, speculative):
+    engine = make_engine(tokenizer)
+    params = SamplingParams(max_new_tokens=12)
+    expected = engine.generate(PROMPT, params, speculative=speculative)
+    text = "def wrap(text, width):"
+    expected_text = engine.generate(tokenizer.encode(text), params, speculative=speculative)
+    server = serve(engine)
+    with DSpineClient(server.address, timeout=60) as client:
+        result = client.generate(token_ids=PROMPT, max_new_tokens=12, speculative=speculative, request_id="eq-1")
+        assert result.request_id == "eq-1"
+        assert result.token_ids == expected.token_ids
+        assert result.text == expected.text
+        assert result.finish_reason == expected.finish_reason
+        assert result.usage.prompt_tokens == len(PROMPT)
+        assert result.usage.completion_tokens == len(expected.token_ids)
+        assert result.speculation.speculative is speculative
+        assert (result.speculation.cycles > 0) is speculative
+        if speculative:
+            assert sum(result.speculation.accepted_len_histogram) == result.speculation.cycles
+            assert len(result.speculation.accepted_len_histogram) == engine.block_size
+
+        chunks = list(client.generate_stream(token_ids=PROMPT, max_new_tokens=12, speculative=speculative))
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert "".join(c.text for c in chunks) == expected.text
+        assert all(c.finish_reason is None for c in chunks[:-1])
+        last = chunks[-1]
+        assert last.finish_reason == expected.finish_reason
+        assert last.usage.completion_tokens == len(expected.token_ids)
+        assert last.timings.time_to_first_token > 0
+
+        by_text = client.generate(text, max_new_tokens=12, speculative=speculative)
+        assert by_text.token_ids == expected_text.token_ids
+        assert by_text.text == expected_text.text
+    wait_until(lambda: idle(engine), what="no live state")
+
+
+def test_chat_tokenize_detokenize_info_health(serve, tokenizer):
+    engine = make_engine(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "wrap this text"}]
+    rendered = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nwrap this text<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    chat_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    expected = engine.generate(chat_ids, SamplingParams(max_new_tokens=6))
+    server = serve(engine, model_name="tiny-random")
+    with DSpineClient(server.address, timeout=60) as client:
+        assert client.tokenize(messages=messages) == chat_ids
+        assert client.generate(messages=messages, max_new_tokens=6).token_ids == expected.token_ids
+        ids = client.tokenize("hello world")
+        assert ids == tokenizer.encode("hello world")
+        assert client.detokenize(ids) == "hello world"
+        info = client.info()
+        assert (info.target_name, info.target_type, info.vocab_size) == ("tiny-random", "qwen3_5_text", 512)
+        assert info.has_drafter and info.block_size == engine.block_size == 16
+        assert (info.max_concurrency, info.max_context) == (8, engine.max_seq_len)
+        assert info.has_tokenizer and info.has_chat_template
+        assert info.eos_token_ids == tuple(tokenizer.eos_token_ids)
+        assert client.health() == "SERVING"
+        assert client.health("dspine.v1.DSpine") == "SERVING"
+
+
+def test_reflection_lists_the_service(serve):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    server = serve(make_engine(with_drafter=False))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=10)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"dspine.v1.DSpine", "grpc.health.v1.Health"} <= names
+
+
+def test_nine_streams_eighth_full_ninth_refused_cancel_frees_slot(serve, gate_for):
+    engine = make_engine()
+    gate = gate_for(engine)
+    server = serve(engine)
+
+    async def scenario():
+        async with AsyncDSpineClient(server.address, timeout=60) as client:
+            streams = [client.generate_stream(token_ids=[3 + i, 4, 5], max_new_tokens=20, request_id=f"s{i}")
+                       for i in range(8)]
+            firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 8, 20, 0.01, "8 admitted")
+            gate.allow(1)  # one step: all 8 prefill together and release their first token
+            first_chunks = await asyncio.gather(*firsts)
+            assert all(len(c.token_ids) == 1 and not c.finished for c in first_chunks)
+            full = engine.num_live_states()
+            assert full["requests"] == 8 and full["target_states"] == 8 and full["draft_slots"] > 0
+
+            with pytest.raises(ResourceExhausted) as info:  # the 9th: refused at once, nothing admitted
+                await client.generate_stream(token_ids=[1, 2], max_new_tokens=4).__anext__()
+            assert "max_concurrency=8" in info.value.details
+            assert engine.num_live_states() == full
+
+            streams[0].cancel()  # client cancel mid-stream
+            with pytest.raises((Cancelled, asyncio.CancelledError)):
+                await streams[0].__anext__()
+            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 7, 20, 0.01, "cancel")
+            after = engine.num_live_states()
+            assert after["target_states"] == 7 and after["draft_slots"] < full["draft_slots"]
+
+            gate.open()  # the freed slot takes a new request, which runs to the end with the other 7
+            newcomer = await client.generate(token_ids=[9, 9, 9], max_new_tokens=5, speculative=False)
+            assert newcomer.finish_reason == "length" and len(newcomer.token_ids) == 5
+            for stream, first in zip(streams[1:], first_chunks[1:]):
+                rest = [c async for c in stream]
+                assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 20
+                assert rest[-1].finish_reason == "length"
+
+    asyncio.run(scenario())
+    wait_until(lambda: idle(engine), what="no live state")
+
+
+def test_stream_deadline_cancels_request(serve, gate_for):
+    engine = make_engine()
+    gate = gate_for(engine)
+    server = serve(engine)
+    with DSpineClient(server.address) as client:
+        stream = client.generate_stream(token_ids=PROMPT, max_new_tokens=50, timeout=1.0)
+        wait_until(lambda: engine.num_live_states()["requests"] == 1, what="admission")
+        gate.allow(2)  # prefill and one cycle: the request holds state when the deadline hits
+        wait_until(lambda: engine.num_live_states()["target_states"] == 1, what="prefill")
+        with pytest.raises(DeadlineExceeded):
+            for _ in stream:
+                pass
+        wait_until(lambda: idle(engine), what="deadline frees the slot")
+        gate.open()
+        assert client.generate(token_ids=PROMPT, max_new_tokens=3, timeout=30).finish_reason == "length"
+
+
+def test_graceful_shutdown_drains_in_flight_and_refuses_new(serve, gate_for):
+    engine = make_engine()
+    gate = gate_for(engine)
+    server = serve(engine)
+    with DSpineClient(server.address, timeout=60, retry=RetryPolicy(max_attempts=1)) as client:
+        stream = client.generate_stream(token_ids=PROMPT, max_new_tokens=10, ignore_eos=True)
+        received = []
+        reader = threading.Thread(target=lambda: received.extend(stream))
+        reader.start()
+        wait_until(lambda: engine.num_live_states()["requests"] == 1, what="admission")
+        stopping = server.submit(server.server.stop(grace=30.0))
+        wait_until(lambda: client.health() == "NOT_SERVING", what="NOT_SERVING")
+        with pytest.raises(Unavailable, match="shutting down"):
+            client.generate(token_ids=PROMPT, max_new_tokens=2)
+        with pytest.raises(Unavailable):
+            next(iter(client.generate_stream(token_ids=PROMPT, max_new_tokens=2)))
+        assert not stopping.done()
+        gate.open()
+        reader.join(30)
+        stopping.result(30)
+    assert sum(len(c.token_ids) for c in received) == 10
+    assert received[-1].finish_reason == "length"
+    assert idle(engine)
+
+
+def test_bearer_token(serve):
+    engine = make_engine(with_drafter=False)
+    server = serve(engine, auth_token="s3cret")
+    for token in (None, "wrong"):
+        with DSpineClient(server.address, token=token, timeout=10) as client:
+            with pytest.raises(Unauthenticated):
+                client.generate(token_ids=PROMPT, max_new_tokens=2)
+            with pytest.raises(Unauthenticated):
+                next(iter(client.generate_stream(token_ids=PROMPT, max_new_tokens=2)))
+            assert client.health() == "SERVING"  # probes need no secret
+    with DSpineClient(server.address, token="s3cret", timeout=30) as client:
+        assert len(client.generate(token_ids=PROMPT, max_new_tokens=2).token_ids) == 2
+        assert client.info().max_concurrency == 8
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a self-signed cert")
+def test_tls(serve, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = serve(make_engine(with_drafter=False), tls_cert=cert, tls_key=key, auth_token="t")
+    with DSpineClient(server.address, root_certificates=cert.read_bytes(), token="t", timeout=30) as client:
+        assert len(client.generate(token_ids=PROMPT, max_new_tokens=2).token_ids) == 2
+    with DSpineClient(server.address, token="t", timeout=5, retry=RetryPolicy(max_attempts=1)) as plain:
+        with pytest.raises(Unavailable):
+            plain.info()

@@ -1,0 +1,95 @@
+"""Greedy losslessness: speculative output equals target-only greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.replica import SamplingParams
+from dspine.replica.reference import reference_generate
+from dspine.replica.tail import Proposal
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_speculative_greedy_equals_reference(build, preset, batch):
+    target = build.target(preset)
+    engine = build.engine(target, window=8)  # 40 new tokens run past the 8-position draft window
+    prompts = _prompts(target.args.vocab_size, [3, 17, 5, 29, 1, 11, 8, 23][:batch])
+    results = engine.generate_many(prompts, GREEDY, speculative=True)
+    for prompt, result in zip(prompts, results):
+        expected = reference_generate(target, prompt, GREEDY.max_new_tokens)
+        assert result.token_ids == expected
+        assert result.finish_reason == "length"
+        assert result.stats.spec.num_cycles >= 1
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+
+
+def test_target_only_greedy_equals_reference(build, hybrid_target):
+    engine = build.engine(hybrid_target, with_drafter=False)
+    prompts = _prompts(hybrid_target.args.vocab_size, [4, 19, 7])
+    for prompt, result in zip(prompts, engine.generate_many(prompts, GREEDY, speculative=False)):
+        assert result.token_ids == reference_generate(hybrid_target, prompt, GREEDY.max_new_tokens)
+
+
+def test_mixed_speculative_and_target_only_in_one_batch(build, hybrid_target):
+    engine = build.engine(hybrid_target)
+    prompts = _prompts(hybrid_target.args.vocab_size, [6, 13, 2, 9])
+    ids = [engine.add_request(p, GREEDY, speculative=bool(i % 2)) for i, p in enumerate(prompts)]
+    outputs = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.request.request_id] += event.release.token_ids
+    for request_id, prompt in zip(ids, prompts):
+        assert outputs[request_id] == reference_generate(hybrid_target, prompt, GREEDY.max_new_tokens)
+
+
+def _oracle(engine, target, always_right: bool):
+    """Replace the tail with proposals built from the reference continuation."""
+    vocab = target.args.vocab_size
+    num_draft = engine.block_size - 1
+    cache: dict[str, list[int]] = {}
+
+    def propose(request_ids, requests, draft_out, anchors, params, generators):
+        rows = []
+        for request_id in request_ids:
+            request = requests[request_id]
+            if request_id not in cache:
+                cache[request_id] = reference_generate(target, request.prompt_token_ids, 200)
+            done = len(request.output_token_ids)
+            truth = (cache[request_id][done : done + num_draft] + [0] * num_draft)[:num_draft]
+            rows.append(truth if always_right else [(t + 1) % vocab for t in truth])
+        draft_ids = torch.tensor(rows, dtype=torch.long)
+        cand_ids = draft_ids[..., None].repeat(1, 1, engine.drafter.args.head_topk)
+        q = torch.zeros(cand_ids.shape, dtype=torch.float64)
+        q[..., 0] = 1.0
+        return Proposal(draft_ids=draft_ids, q=q, cand_ids=cand_ids, choice=torch.zeros_like(draft_ids))
+
+    engine.runner.propose = propose
+
+
+@pytest.mark.parametrize("always_right", [False, True], ids=["accept-0", "accept-15"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
+def test_forced_acceptance_patterns(build, preset, always_right):
+    target = build.target(preset)
+    engine = build.engine(target, window=8)
+    _oracle(engine, target, always_right)
+    prompts = _prompts(target.args.vocab_size, [5, 12, 3])
+    params = SamplingParams(temperature=0.0, max_new_tokens=61, ignore_eos=True)
+    results = engine.generate_many(prompts, params, speculative=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_generate(target, prompt, params.max_new_tokens)
+        histogram = result.stats.spec.accepted_len_histogram
+        if always_right:
+            # 1 token from prefill, then 16 per cycle: 60 = 15 + 16 + 16 + 13 (the last cycle is cut by length)
+            assert histogram[15] == result.stats.spec.num_cycles
+        else:
+            assert histogram[0] == result.stats.spec.num_cycles == params.max_new_tokens - 1
