@@ -480,11 +480,13 @@ class DSpineClient(_ClientBase):
 
 # ------------------------------------------------------------ async client
 class AsyncGenerateStream:
-    """Async iterator of :class:`GenerateChunk`; ``cancel()`` cancels the request."""
+    """Async iterator of :class:`GenerateChunk`; ``cancel()`` cancels the request (the next read
+    raises :class:`Cancelled`); cancelling the task that reads it does the same."""
 
     def __init__(self, start, deadline: _Deadline, retry: RetryPolicy):
         self._start, self._deadline, self._retry = start, deadline, retry
         self._received = False
+        self._cancelled = False
         self._attempt = 1
         self._call = start(deadline.remaining())
 
@@ -502,6 +504,10 @@ class AsyncGenerateStream:
                 self._call = self._start(self._deadline.remaining())
                 continue
             except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._cancelled and not (task is not None and getattr(task, "cancelling", lambda: 0)()):
+                    # cancel() was called on this stream, not on the task reading it
+                    raise Cancelled("the stream was cancelled by this client") from None
                 self._call.cancel()
                 raise
             if message is grpc.aio.EOF:
@@ -512,6 +518,7 @@ class AsyncGenerateStream:
     _should_retry = GenerateStream._should_retry
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
     async def aclose(self) -> None:

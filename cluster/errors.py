@@ -76,6 +76,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 async def abort(context, exc: BaseException):
     """Abort the RPC of ``context`` (a ``grpc.aio.ServicerContext``) with the status of ``exc``."""
     code, details = status_for(exc)
-    field = error_field(exc) if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) else None
+    named = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+    field = error_field(exc) if named else None
     trailing = ((FIELD_METADATA_KEY, field),) if field and field.isascii() and field.isprintable() else ()
     await context.abort(code, details, trailing_metadata=trailing)

@@ -46,7 +46,8 @@ class ServerConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 for all")
     port: int = Field(50051, ge=0, le=65535, description="0 picks a free port (see DSpineServer.port)")
-    max_receive_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger requests get RESOURCE_EXHAUSTED")
+    max_receive_message_bytes: int = Field(4 * 1024 * 1024, ge=1024,
+                                           description="larger requests get RESOURCE_EXHAUSTED")
     max_send_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key enables TLS")
     tls_key: Path | None = Field(None, description="PEM private key")
@@ -107,9 +108,9 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -
 class DSpineServer:
     """One engine behind a ``grpc.aio`` server; :meth:`start`, then :meth:`stop` (graceful)."""
 
-    def __init__(self, engine, config: ServerConfig = ServerConfig(), limits: ValidationLimits | None = None):
+    def __init__(self, engine, config: ServerConfig | None = None, limits: ValidationLimits | None = None):
         self.engine = engine
-        self.config = config
+        self.config = config or ServerConfig()
         self._limits = limits
         self._server: grpc.aio.Server | None = None
         self.servicer: DSpineServicer | None = None

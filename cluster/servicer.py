@@ -124,7 +124,8 @@ def generate_input_data(request: pb.GenerateRequest) -> dict:
 
 
 # ------------------------------------------------------------ data -> proto
-def _fill_final(msg, stats: RequestStats | None, prompt_tokens: int, completion_tokens: int, finish_reason: str) -> None:
+def _fill_final(msg, stats: RequestStats | None, prompt_tokens: int, completion_tokens: int,
+                finish_reason: str) -> None:
     msg.finish_reason = _FINISH_REASONS[finish_reason]
     msg.usage.prompt_tokens = prompt_tokens
     msg.usage.completion_tokens = completion_tokens
@@ -400,7 +401,8 @@ def add_to_server(servicer: DSpineServicer, server) -> None:
     for method in methods:
         request_type = _message_class(method.input_type.name)
         response_type = _message_class(method.output_type.name)
-        factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        factory = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                   else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=_tolerant(request_type),
                                         response_serializer=response_type.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -33,8 +33,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dspine.replica.errors import InvalidRequestError, NoDrafterError
 from dspine.replica.sampling import SamplingParams
@@ -114,9 +125,9 @@ class SamplingInput(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float | None = None
+    temperature: StrictFloat | None = None
     top_k: StrictInt | None = None
-    top_p: float | None = None
+    top_p: StrictFloat | None = None
     seed: StrictInt | None = None
     max_new_tokens: StrictInt | None = None
     stop: tuple[StrictStr, ...] = ()

@@ -153,6 +153,12 @@ def quantize_head_fp8(head: torch.Tensor, *, emulate: bool | None = None) -> tup
 
 def _topk_by_logit(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best of ``(logits, ids) [N, C]``: logit descending, ties to the lower id."""
+    if k < logits.shape[1]:
+        # Fast path: torch.topk is exact whenever no two of the k + 1 best logits are
+        # equal (then the order is unique); only tied rows need the two stable sorts.
+        values, order = torch.topk(logits, k + 1, dim=1)
+        if bool((values[:, :-1] > values[:, 1:]).all()):
+            return torch.gather(ids, 1, order[:, :k]).contiguous(), values[:, :k].contiguous()
     ids_sorted, perm = torch.sort(ids, dim=1, stable=True)
     logits = torch.gather(logits, 1, perm)
     logits, order = torch.sort(logits, dim=1, descending=True, stable=True)

@@ -134,11 +134,31 @@ def _row_q(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
     return torch.zeros_like(q_sorted).scatter_(1, order, q_sorted)
 
 
+def _greedy_chain_ref(scores, cand_ids):
+    """All-greedy batch: the best receiver for every (row, predecessor) at once, then a
+    walk through those small tables (the same choices as the general path)."""
+    nb, t, k, _ = scores.shape
+    best = scores.argmax(dim=-1).tolist()  # [NB][T][K(j)] slot of the best receiver; ties to the lower slot
+    slots = []
+    for block in best:
+        j, path = 0, []
+        for row in block:
+            j = row[j]
+            path.append(j)
+        slots.append(path)
+    choice = torch.tensor(slots, dtype=torch.int64, device=scores.device).view(nb, t)
+    draft_ids = torch.gather(cand_ids, 2, choice[..., None])[..., 0]
+    q = torch.zeros(nb, t, k, dtype=torch.float64, device=scores.device).scatter_(2, choice[..., None], 1.0)
+    return draft_ids, choice, q
+
+
 def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
     """Plain torch, float64 factors; vectorised over blocks, serial over rows."""
     _check(scores, cand_ids, temperature, top_k, top_p, uniforms)
     nb, t, k, _ = scores.shape
     dev = scores.device
+    if nb and bool((temperature <= 0).all()):
+        return _greedy_chain_ref(scores, cand_ids)
     temperature = temperature.to(torch.float64)
     top_p = top_p.to(torch.float64)
     top_k = top_k.to(torch.int64)

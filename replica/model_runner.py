@@ -212,6 +212,8 @@ class ModelRunner:
         # target_logits: [NB, BS, V]; p is built by the same filtering as target-only sampling.
         num_draft = proposal.draft_ids.shape[1]
         nb, bs, vocab = target_logits.shape
+        if all(r.params.is_greedy for r in batch):
+            return verify.verify_greedy(proposal.draft_ids, target_logits)
         greedy = torch.tensor([r.params.is_greedy for r in batch], device=self.device)
         temperature, top_k, top_p = self._param_tensors(batch)
         target_probs = sampling.probabilities(

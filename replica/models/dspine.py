@@ -16,6 +16,10 @@ Notable features:
   never quantized, never saved with the drafter).
 - `draft` is batched over requests with different context lengths; each
   request's rows only ever see its own pool slots and its own block.
+- `forward_train(features, tokens, anchor_pos)` is the differentiable twin
+  of `append_context` + `draft` without the pool (distillation): A blocks
+  per sequence share that sequence's context K/V, and the bridge runs as the
+  plain-torch `bridge_ref` (tests/replica/models/test_dspine_train.py).
 """
 from __future__ import annotations
 

@@ -134,8 +134,8 @@ def sample_prompts(tokenizer: Tokenizer, split: str, count: int, lengths: list[i
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(texts), generator=g).tolist()
     prompts: list[list[int]] = []
-    rounds = 0
-    while len(prompts) < count:
+    while len(prompts) < count:  # small corpora (max_files) are visited again at new offsets
+        before = len(prompts)
         for start in range(0, len(order), 64):  # tokenize 64 files at a time (Rust batch encode)
             chunk = [texts[i] for i in order[start : start + 64]]
             for enc in tokenizer.tokenizer.encode_batch(chunk):
@@ -149,9 +149,8 @@ def sample_prompts(tokenizer: Tokenizer, split: str, count: int, lengths: list[i
                     prompts.append(ids[off : off + n])
                     if len(prompts) == count:
                         return prompts
-        rounds += 1
-        if rounds > 100:
-            raise ValueError(f"the {split} corpus is too small for {count} prompts")
+        if len(prompts) == before:
+            raise ValueError(f"no {split} corpus file is longer than {max(lengths)} tokens")
     return prompts
 
 

@@ -81,10 +81,16 @@ def _train_tokenizer(out_dir, chat_template: str | None) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
-    tok = _train_tokenizer(tmp_path_factory.mktemp("tok"), CHAT_TEMPLATE)
-    assert tok.vocab_size <= VOCAB
-    return tok
+def tokenizer_dir(tmp_path_factory):
+    """A directory with tokenizer.json + tokenizer_config.json (eos <|im_end|>, a ChatML template)."""
+    out = tmp_path_factory.mktemp("tok")
+    assert _train_tokenizer(out, CHAT_TEMPLATE).vocab_size <= VOCAB
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    return Tokenizer.from_dir(tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -90,3 +90,33 @@ def test_anchor_range_and_row_weights():
     assert a[2].unique().tolist() == [48]
     w = row_weights(15, 7.0)
     assert torch.isclose(w.sum(), torch.tensor(1.0)) and (w[1:] < w[:-1]).all()
+
+
+def test_tail_loss_scores_equal_serving_tail_tables():
+    """tail_hidden (the tail loss) scores exactly what the serving tail's conditional tables score."""
+    from dspine.replica.models.dspine_checkpoint import init_random_drafter
+    from dspine.replica.models.dspine_config import DraftArgs
+    from dspine.replica.models.target_config import TargetArgs
+    from dspine.replica.tail import TailTables, conditional_tables
+    from dspine.replica.train.draft import tail_hidden
+
+    targs = TargetArgs.from_name("tiny-qwen3")
+    d = init_random_drafter(targs, DraftArgs.for_target(targs, window=32, feature_layers=(0, 1)), seed=1)
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(1, 40, 2, d.args.hidden_size, generator=g)
+    tokens = torch.randint(0, d.args.vocab_size, (1, 40), generator=g)
+    anchors = torch.tensor([[7, 20]])
+    with torch.no_grad():
+        out = d.forward_train(feats, tokens, anchors)
+        BS = d.args.block_size
+        idx = anchors[..., None] + torch.arange(BS)
+        block = tokens[0, idx[0]]  # [A, BS]
+        loss_logits = d.logits(tail_hidden(d, out, block[None, :, :-1]))[0]  # [A, BS-1, V]
+        tables = TailTables.from_drafter(d, fp8_retrieval=False)
+        K = d.args.head_topk
+        cand = torch.randint(0, d.args.vocab_size, (2, BS - 1, K), generator=g)
+        cand[:, :, 0] = block[:, 1:]  # the true token is candidate 0; row t-1's true token is its slot 0
+        flat = type("O", (), {"x_last": out.x_last[0], "rms": out.rms[0], "codes": out.codes[0]})
+        scores = conditional_tables(flat, tables, block[:, 0], cand)  # [A, BS-1, K (pred j), K (recv i)]
+    # predecessor slot 0 = the true previous token (row 1: the anchor) -> must match the loss's logits
+    torch.testing.assert_close(scores[:, :, 0, :], loss_logits.gather(-1, cand), rtol=1e-4, atol=1e-4)
