@@ -8,9 +8,9 @@
       S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
   with q, k l2-normalised, q scaled by Dk^-0.5, g = -exp(A_log) softplus(a + dt_bias),
   beta = sigmoid(b); each key head serves Hv / Hk consecutive value heads.
-- The recurrence is sequential over the T new tokens when T <= 16 (decode,
-  verify) and chunked (`delta_rule_chunked`, 64 per chunk, a triangular solve
-  per chunk) for longer prefill.
+- A single-token decode step runs the recurrence directly; multi-token steps
+  (verify, prefill) use the chunked form (`delta_rule_chunked`, 64 per chunk,
+  a triangular solve per chunk).
   Padded positions (valid == False) get g = 0 and beta = 0, so they leave the
   state untouched.
 - `delta_rule_replay` re-runs the recurrence from stored per-position inputs;
@@ -84,7 +84,9 @@ class RMSNormGated(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    SEQUENTIAL_MAX_T = 16  # steps longer than this (prefill) use the chunked form
+    # Single-token decode steps run the recurrence directly; every multi-token step (the
+    # 16-token verify included) uses the chunked form, ~3x faster than 16 sequential steps.
+    SEQUENTIAL_MAX_T = 1
 
     def __init__(self, args: TargetArgs):
         super().__init__()
