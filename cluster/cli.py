@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_draft = train_kinds.add_parser("draft", help="distil a DSpine drafter from a frozen target")
     train_draft.add_argument("--target", required=True, help="trained target directory")
     train_draft.add_argument("--out", required=True, help="output DSpine draft directory")
-    train_draft.add_argument("--steps", type=int, default=1500)
+    train_draft.add_argument("--steps", type=int, default=2200)
     train_draft.add_argument("--seed", type=int, default=0)
     train_draft.add_argument("--max-files", type=int, default=None)
     return parser

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
@@ -41,7 +41,7 @@ class EngineStats:
     num_finished: int = 0
     num_failed: int = 0
     num_cancelled: int = 0
-    stage_times: StageTimes = None  # type: ignore[assignment]
+    stage_times: StageTimes = field(default_factory=StageTimes)
     spec: SpecDecodingStats | None = None
     peak_draft_pool_used: int = 0
 
@@ -60,8 +60,7 @@ class Engine:
         draft_pool, tail_tables = self._build_draft_side()
         self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
         self.scheduler = FcfsScheduler(config.max_concurrency)
-        self.stats = EngineStats(stage_times=StageTimes(),
-                                 spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
+        self.stats = EngineStats(spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
         self._lock = threading.RLock()
         self._sinks: dict[str, Callable[[StreamChunk], None]] = {}
         self._work = threading.Condition(self._lock)
@@ -248,8 +247,9 @@ class Engine:
                 next_index += 1
             if self._loop_thread is None:
                 self.step()
-            else:
-                done.put(done.get())  # wait for progress on the loop thread
+            else:  # the loop thread steps: block until it finishes one of ours
+                done.get()
+                num_done += 1
             while not done.empty():
                 done.get()
                 num_done += 1

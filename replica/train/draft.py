@@ -74,6 +74,7 @@ from . import corpus
 # R = 128 retrieved as in the release; window 512 covers every training sequence and
 # the benchmark contexts (64-token prompt + 128 new tokens) with room to spare.
 TINY_DRAFTER = dict(
+    feature_layers=(1, 2, 3, 4, 5),  # every layer after the first, as the 27B taps 1..61 of 64
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768, window=512,
     rope_base=10_000.0, code_dim=128, message_dim=64, head_topk=16, num_retrieve=128, block_size=16,
 )
@@ -83,11 +84,11 @@ TINY_DRAFTER = dict(
 class DraftTrainConfig:
     target_dir: str
     out_dir: str
-    steps: int = 1500
+    steps: int = 2200
     seed: int = 0
     max_files: int | None = None  # limit the corpus (pipeline tests)
     # distillation data
-    num_sequences: int = 2048  # greedy continuations generated from train-split prompts
+    num_sequences: int = 4096  # greedy continuations generated from train-split prompts
     seq_len: int = 256  # prompt + continuation
     prompt_lens: tuple[int, ...] = (32, 64, 96, 128)  # cycled over generation batches
     gen_batch: int = 64  # prompts decoded together with forward_step / commit

@@ -157,3 +157,15 @@ def test_shutdown_drains_in_flight_requests(build, hybrid_target):
     assert (rest[-1] if rest else first).finish_reason == "length"
     assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == PARAMS.max_new_tokens
     assert engine.num_live_states() == IDLE
+
+
+def test_generate_many_while_the_background_loop_steps(build, hybrid_target):
+    engine = build.engine(hybrid_target)
+    engine.start()
+    try:
+        prompts = [_prompt(512, n, n) for n in (3, 8, 5)]
+        results = engine.generate_many(prompts, PARAMS, speculative=True)
+    finally:
+        engine.shutdown(timeout=30)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_generate(hybrid_target, prompt, PARAMS.max_new_tokens)

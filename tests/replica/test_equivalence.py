@@ -63,7 +63,7 @@ def _oracle(engine, target, always_right: bool):
         for request_id in request_ids:
             request = requests[request_id]
             if request_id not in cache:
-                cache[request_id] = reference_generate(target, request.prompt_token_ids, 200)
+                cache[request_id] = reference_generate(target, request.prompt_token_ids, 80)
             done = len(request.output_token_ids)
             truth = (cache[request_id][done : done + num_draft] + [0] * num_draft)[:num_draft]
             rows.append(truth if always_right else [(t + 1) % vocab for t in truth])
