@@ -142,8 +142,9 @@ def train_target(cfg: TargetTrainConfig, log=None) -> dict:
             tokens_per_s = (step + 1) * cfg.batch_size * cfg.seq_len / elapsed
             log(f"step {step:5d}  loss {loss.item():.3f}  lr {_lr_at(step, cfg):.2e}  {tokens_per_s:,.0f} tok/s")
     model.eval()
-    ppl = perplexity(model, heldout_stream, cfg.seq_len)
-    save_target(model, out)
+    # The shipped weights are BF16 (half the size); perplexity is measured on exactly those.
+    save_target(model.to(torch.bfloat16), out)
+    ppl = perplexity(model.float(), heldout_stream, cfg.seq_len)
     summary = {"heldout_perplexity": ppl, "steps": cfg.steps, "train_seconds": time.time() - start,
                "parameters": sum(p.numel() for p in model.parameters()), "seed": cfg.seed}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -9,12 +9,13 @@ import torch
 from dspine.replica import Engine, EngineConfig
 from dspine.replica.models.dspine_checkpoint import load_draft_args
 from dspine.replica.sampling import SamplingParams
-from dspine.replica.train.draft import DraftTrainConfig, greedy_continue, row_weights, sample_anchors, train_draft
+from dspine.replica.train.draft import (DraftTrainConfig, block_labels, greedy_continue, row_weights, sample_anchors,
+                                        train_draft)
 from dspine.replica.train.target import TargetTrainConfig, train_target
 
 TINY_TARGET = (("hidden_size", 64), ("intermediate_size", 128), ("num_layers", 3), ("feature_layers", (0, 1, 2)),
                ("num_heads", 2), ("num_kv_heads", 1), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4))
-TINY_DRAFTER = (("intermediate_size", 128), ("num_heads", 2), ("num_kv_heads", 1), ("head_dim", 32),
+TINY_DRAFTER = (("feature_layers", (0, 1, 2)), ("intermediate_size", 128), ("num_heads", 2), ("num_kv_heads", 1), ("head_dim", 32),
                 ("code_dim", 32), ("message_dim", 16), ("window", 48))
 
 
@@ -38,7 +39,7 @@ def target_dir(tmp_path_factory, one_thread):
 
 def _config(target_dir, out, **kw):
     base = dict(target_dir=str(target_dir), out_dir=str(out), steps=60, max_files=6, num_sequences=48, seq_len=64,
-                prompt_lens=(16, 24), gen_batch=16, eval_sequences=8, eval_prompt_len=20, batch_size=8, anchors_per_seq=4,
+                prompt_lens=(16, 24), gen_batch=16, eval_sequences=8, eval_prompt_len=20, eval_new_tokens=24, batch_size=8, anchors_per_seq=4,
                 warmup_steps=5, log_every=10, model_overrides=TINY_DRAFTER)
     base.update(kw)
     return DraftTrainConfig(**base)
@@ -85,9 +86,13 @@ def test_labels_are_the_target_greedy_continuation(target_dir):
 def test_anchor_range_and_row_weights():
     g = torch.Generator().manual_seed(0)
     plen = torch.tensor([1, 16, 49])
-    a = sample_anchors(plen, 64, 16, 200, g)
-    assert (a >= (plen[:, None] - 1).clamp(min=0)).all() and (a <= 64 - 16).all()
-    assert a[2].unique().tolist() == [48]
+    a = sample_anchors(plen, 64, 16, 200, g, early_frac=0.5, early_span=8)
+    assert (a >= 1).all() and (a <= 64 - 16).all()
+    early = a[:, :100]
+    lo = (plen[:, None] - 1).clamp(min=1)
+    assert (early >= lo).all() and (early <= lo + 7).all()
+    assert early[2].unique().tolist() == [48]
+    assert len(a[1, 100:].unique()) > 30  # the rest covers the whole sequence
     w = row_weights(15, 7.0)
     assert torch.isclose(w.sum(), torch.tensor(1.0)) and (w[1:] < w[:-1]).all()
 
@@ -120,3 +125,15 @@ def test_tail_loss_scores_equal_serving_tail_tables():
         scores = conditional_tables(flat, tables, block[:, 0], cand)  # [A, BS-1, K (pred j), K (recv i)]
     # predecessor slot 0 = the true previous token (row 1: the anchor) -> must match the loss's logits
     torch.testing.assert_close(scores[:, :, 0, :], loss_logits.gather(-1, cand), rtol=1e-4, atol=1e-4)
+
+
+def test_block_labels_follow_the_target_greedy_path():
+    # greedy[t] = the target's argmax after x[..t]; the text agrees with it at t = 1, 2 and 5 only
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    greedy = torch.tensor([[11, 12, 99, 98, 15, 97, 96, 95]])
+    labels, preds, valid = block_labels(tokens, greedy, torch.tensor([[0, 3]]), block_size=4)
+    assert preds.tolist() == [[[10, 11, 12], [13, 14, 15]]]
+    assert labels.tolist() == [[[11, 12, 99], [98, 15, 97]]]
+    # anchor 0: rows 1, 2 are on the path and row 3's label is the target's token 99 (text says 13)
+    # anchor 3: row 1's label 98 != text 14, so rows 2, 3 are not the target's continuation
+    assert valid.tolist() == [[[True, True, True], [True, False, False]]]
