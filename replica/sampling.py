@@ -171,12 +171,12 @@ def _filter(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype)
         raise ValueError("logits: vocabulary dimension is empty")
 
     greedy = temperature == 0
-    if bool(((top_k <= 0) | (top_k >= v) | greedy).all()) and bool(((top_p >= 1.0) | greedy).all()):
-        return _filter_without_truncation(logits.to(dtype), temperature, greedy)
     # Shift by the row max first: softmax and the kept set are unchanged, and a
     # tiny temperature can then only push entries to -inf, never to +inf / NaN.
     x = logits.to(dtype)
     x = (x - x.amax(dim=-1, keepdim=True)) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if bool(((top_k <= 0) | (top_k >= v) | greedy).all()) and bool(((top_p >= 1.0) | greedy).all()):
+        return _keep_all_but_greedy(x, greedy)  # nothing truncates: skip the sort
 
     # One stable descending sort serves argmax, top-k and top-p: equal values
     # keep their original order, so ties always resolve to the lower token id.
@@ -198,9 +198,8 @@ def _filter(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype)
     return x.masked_fill(~keep, -math.inf)
 
 
-def _filter_without_truncation(x: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """The same result as the sorted path when no row truncates (no top-k, no top-p): no sort."""
-    x = (x - x.amax(dim=-1, keepdim=True)) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+def _keep_all_but_greedy(x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """The sorted path's result when no row truncates: greedy rows keep only their argmax."""
     if bool(greedy.any()):
         # argmax returns the first maximal index: ties go to the lower id, as in the sorted path
         argmax_only = torch.full_like(x, -math.inf).scatter_(-1, x.argmax(dim=-1, keepdim=True), 0.0)

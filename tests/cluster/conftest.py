@@ -23,8 +23,8 @@ from dspine.replica import Engine, EngineConfig
 from dspine.replica.models.dspine_checkpoint import init_random_drafter
 from dspine.replica.models.dspine_config import DraftArgs
 from dspine.replica.models.target import TargetModel
-from dspine.replica.models.target_config import TARGET_CONFIGS, TargetArgs
 from dspine.replica.tokenizer import Tokenizer
+from dspine_testing.models import make_target as shared_make_target
 
 VOCAB = 512
 CHAT_TEMPLATE = (
@@ -43,13 +43,7 @@ def _one_torch_thread():
 
 
 def make_target(seed: int = 0) -> TargetModel:
-    torch.manual_seed(seed)
-    model = TargetModel(TargetArgs(**dict(TARGET_CONFIGS["tiny"])))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2 and "conv1d" not in name:
-                param.normal_(0.0, 0.08)
-    return model.eval()
+    return shared_make_target("tiny", seed)
 
 
 def make_engine(tokenizer=None, with_drafter: bool = True, max_seq_len: int = 96, **config) -> Engine:

@@ -3,31 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dspine.replica import Engine, EngineConfig
 from dspine.replica.models.dspine_checkpoint import init_random_drafter
 from dspine.replica.models.dspine_config import DraftArgs
 from dspine.replica.models.target import TargetModel
-from dspine.replica.models.target_config import TargetArgs
-
-
-def make_target(preset: str = "tiny", seed: int = 0, **overrides) -> TargetModel:
-    torch.manual_seed(seed)
-    args = TargetArgs(**{**_preset_fields(preset), **overrides})
-    model = TargetModel(args)
-    with torch.no_grad():
-        # Larger-than-default logits so greedy choices are not near-ties.
-        for name, param in model.named_parameters():
-            if param.dim() >= 2 and "conv1d" not in name:
-                param.normal_(0.0, 0.08)
-    return model.eval()
-
-
-def _preset_fields(preset: str) -> dict:
-    from dspine.replica.models.target_config import TARGET_CONFIGS
-
-    return dict(TARGET_CONFIGS[preset])
+from dspine_testing.models import make_target
 
 
 def make_engine(target: TargetModel, window: int = 8, seed: int = 0, with_drafter: bool = True,
