@@ -1,7 +1,12 @@
 """Triton kernels, each beside its pure-torch ``*_ref`` reference (see STYLE.md)."""
 
 from dspine.kernels.bridge import BridgeOut, bridge, bridge_ref, bridge_triton
-from dspine.kernels.draft_attention import draft_attention, draft_attention_ref, draft_attention_triton
+from dspine.kernels.draft_attention import (
+    draft_attention,
+    draft_attention_ref,
+    draft_attention_torch,
+    draft_attention_triton,
+)
 from dspine.kernels.fp8_head_topk import (
     fp8_head_topk,
     fp8_head_topk_ref,
@@ -20,6 +25,7 @@ __all__ = [
     "bridge_triton",
     "draft_attention",
     "draft_attention_ref",
+    "draft_attention_torch",
     "draft_attention_triton",
     "fp8_head_topk",
     "fp8_head_topk_ref",

@@ -17,7 +17,8 @@ the slots directly: one program per (request, KV head) holds all BS x G query
 rows of that head group (GQA: the K/V tile is loaded once for G query heads),
 streams the visible context range [max(0, L + 1 - window), L) in BLOCK_N tiles
 with an online softmax, then the block's own BS keys with the causal mask.
-On CPU (the interpreter, tests only) tiles are upcast to fp32 before tl.dot,
+Off CUDA, `draft_attention_torch` (a gather and one SDPA call) runs instead.
+Under the Triton interpreter (CPU, tests only) tiles are upcast to fp32 before tl.dot,
 because the Triton 3.9 interpreter's bf16 dot multiplies raw bit patterns.
 For long windows and small batches a split-K variant would add parallelism;
 at <= 8 requests x 8 KV heads this is the simple first version.
@@ -199,6 +200,30 @@ def draft_attention_ref(q, block_k, block_v, pool_k, pool_v, context_slots, cont
     return out.to(q.dtype)
 
 
+def draft_attention_torch(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens,
+                          window: int, scale: float) -> torch.Tensor:
+    """The CPU path: the same gather as `draft_attention_ref`, then one fused SDPA call with GQA.
+
+    Same maths as the reference (tested against it); it avoids materialising the repeated K/V
+    heads and the score matrix, which on CPU costs more than the attention itself."""
+    NB, BS, Hq, Hkv, hd = _check(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window)
+    dev = q.device
+    Wc = min(context_slots.shape[1], window)  # only the last `window` context entries can be visible
+    lens = context_lens.to(dev, torch.int64)
+    idx = lens[:, None] - Wc + torch.arange(Wc, device=dev)  # [NB, Wc] context index
+    slots = context_slots.to(dev).gather(1, idx.clamp(min=0))
+    f = torch.promote_types(q.dtype, torch.float32)
+    keys = torch.cat([pool_k[slots], block_k], 1).transpose(1, 2).to(f)  # [NB, Hkv, Wc + BS, hd]
+    vals = torch.cat([pool_v[slots], block_v], 1).transpose(1, 2).to(f)
+    ar = torch.arange(BS, device=dev)
+    kpos = torch.cat([idx, lens[:, None] + ar], 1)  # [NB, Wc + BS]; negative = no context entry
+    distance = (lens[:, None] + ar)[:, :, None] - kpos[:, None, :]  # [NB, BS, Wc + BS] query - key position
+    mask = (distance >= 0) & (distance < window) & (kpos >= 0)[:, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).to(f), keys, vals, attn_mask=mask[:, None], scale=scale, enable_gqa=Hq != Hkv)
+    return out.transpose(1, 2).to(q.dtype)  # [NB, BS, Hq, hd]
+
+
 def _resolve_use_triton() -> bool:
     return triton is not None and torch.cuda.is_available()
 
@@ -208,6 +233,6 @@ _USE_TRITON = _resolve_use_triton()  # chosen once, at import
 
 def draft_attention(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens,
                     window: int, scale: float) -> torch.Tensor:
-    """Dispatch: `draft_attention_triton` on CUDA tensors when Triton is available, else the reference."""
-    fn = draft_attention_triton if (_USE_TRITON and q.is_cuda) else draft_attention_ref
+    """Dispatch: `draft_attention_triton` on CUDA tensors when Triton is available, else `draft_attention_torch`."""
+    fn = draft_attention_triton if (_USE_TRITON and q.is_cuda) else draft_attention_torch
     return fn(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window, scale)

@@ -7,23 +7,40 @@ from dataclasses import dataclass
 import torch
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_concurrency: int = 8  # requests in flight per engine; the released plugin allows at most 8
     device: str = "auto"  # "auto" -> cuda when available, else cpu
-    dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
+    dtype: str = "auto"  # target dtype; "auto" -> bfloat16 on cuda, float32 on cpu
+    # Drafter, draft KV pool and tail tables. Its precision never affects what is emitted
+    # (verification is lossless whatever the proposal), only acceptance and speed.
+    # "auto" -> the target's dtype (on a CPU with AVX512-BF16 a bf16 drafter measured no
+    # faster: the tiny drafter's cost is per-op overhead, not arithmetic).
+    draft_dtype: str = "auto"
     max_seq_len: int | None = None  # prompt + output; None -> the target's max_position_embeddings
     draft_pool: str = "dense"  # "dense" (as the released plugin) or "ring" (keeps only the window)
     draft_pool_tokens: int | None = None  # slots in the draft KV pool; None -> max_concurrency * max_seq_len
     fp8_retrieval: bool | None = None  # FP8 head retrieval in the tail; None -> on for cuda, off on cpu
     speculative_default: bool = True  # used when a request does not say and a drafter is loaded
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per forward
+    # Dynamic verification: verify draft row t only while the product of the drafter's own
+    # confidences of rows 1..t is >= this (0: always the whole block). Lossless either way.
+    verify_threshold: float = 0.05
 
     def __post_init__(self):
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency: must be >= 1, got {self.max_concurrency}")
         if self.draft_pool not in ("dense", "ring"):
             raise ValueError(f"draft_pool: must be 'dense' or 'ring', got {self.draft_pool!r}")
+        for name in ("dtype", "draft_dtype"):
+            value = getattr(self, name)
+            if value != "auto" and value not in _DTYPES:
+                raise ValueError(f"{name}: must be 'auto' or one of {sorted(_DTYPES)}, got {value!r}")
+        if not 0.0 <= self.verify_threshold < 1.0:
+            raise ValueError(f"verify_threshold: must be in [0, 1), got {self.verify_threshold}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
 
@@ -37,7 +54,13 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_draft_dtype(self) -> torch.dtype:
+        if self.draft_dtype == "auto":
+            return self.torch_dtype
+        return _DTYPES[self.draft_dtype]
 
     @property
     def use_fp8_retrieval(self) -> bool:

@@ -82,7 +82,7 @@ class Engine:
             from .models.dspine_checkpoint import load_drafter
 
             drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
-                                   device=config.torch_device, dtype=config.torch_dtype)
+                                   device=config.torch_device, dtype=config.torch_draft_dtype)
         return cls(target, drafter, tokenizer, config)
 
     def _build_draft_side(self):
@@ -94,10 +94,10 @@ class Engine:
         args = self.drafter.args
         if self.config.draft_pool == "ring":
             slots = self.config.draft_pool_tokens or self.config.max_concurrency * args.window
-            pool = RingDraftKVPool(args, slots, device=self.device, dtype=self.config.torch_dtype)
+            pool = RingDraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         else:
             slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len
-            pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_dtype)
+            pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         tables = TailTables.from_drafter(self.drafter, fp8_retrieval=self.config.use_fp8_retrieval)
         return pool, tables
 
@@ -174,8 +174,8 @@ class Engine:
         self.stats.stage_times.add(runner_output.stage_times)
         self.stats.peak_draft_pool_used = max(self.stats.peak_draft_pool_used, runner_output.draft_pool_used)
         if self.stats.spec is not None:
-            for accepted in runner_output.accepted_len.values():
-                self.stats.spec.observe_draft(self.block_size - 1, accepted)
+            for request_id, accepted in runner_output.accepted_len.items():
+                self.stats.spec.observe_draft(runner_output.num_verified.get(request_id, self.block_size - 1), accepted)
 
     def _deliver(self, events: list[RequestEvent]) -> None:
         for event in events:

@@ -178,9 +178,15 @@ class ModelRunner:
         with self._timed(times, "verify"):
             self._fault("verify", request_ids)
             states = [self.states[r] for r in request_ids]
+            num_verified = self._verify_lengths(proposal)  # [NB] draft tokens each request verifies
             block = torch.cat([anchors[:, None], proposal.draft_ids], dim=1)  # [NB, BS]
-            result = self.target.forward_step(block, states, feature_layers=self.feature_layers)
-            verdict = self._verify(proposal, result.logits, batch, generators)
+            lengths = num_verified.tolist()
+            if min(lengths) == max(lengths):
+                rows = block[:, : lengths[0] + 1]
+            else:  # forward_step pads internally; no request's state ever sees the padding
+                rows = [block[b, : n + 1] for b, n in enumerate(lengths)]
+            result = self.target.forward_step(rows, states, feature_layers=self.feature_layers)
+            verdict = self._verify(proposal, result.logits, batch, generators, num_verified)
         with self._timed(times, "commit"):
             self._fault("commit", request_ids)
             accepted = verdict.accepted_len.tolist()
@@ -193,6 +199,7 @@ class ModelRunner:
             emitted = tokens[b][: accepted[b] + 1]
             out.new_token_ids[request.request_id] = emitted
             out.accepted_len[request.request_id] = accepted[b]
+            out.num_verified[request.request_id] = lengths[b]
             request.stats.peak_draft_pool_slots = max(
                 request.stats.peak_draft_pool_slots, self.draft_pool.request_len(request.request_id)
             )
@@ -208,12 +215,26 @@ class ModelRunner:
         temperature, top_k, top_p = sampling.batch_params(params, device=self.device)
         return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators)
 
-    def _verify(self, proposal, target_logits: torch.Tensor, batch: list[Request], generators):
-        # target_logits: [NB, BS, V]; p is built by the same filtering as target-only sampling.
+    def _verify_lengths(self, proposal) -> torch.Tensor:
+        """[NB] int64: dynamic verification lengths (the whole block without a confidence)."""
+        from . import tail
+
+        nb, num_draft = proposal.draft_ids.shape
+        if proposal.confidence is None or self.config.verify_threshold <= 0:
+            return torch.full((nb,), num_draft, dtype=torch.int64, device=proposal.draft_ids.device)
+        return tail.verify_lengths(proposal.confidence, self.config.verify_threshold)
+
+    def _verify(self, proposal, target_logits: torch.Tensor, batch: list[Request], generators,
+                num_verified: torch.Tensor):
+        # target_logits: [NB, T, V], T = 1 + max(num_verified); p is built by the same filtering as
+        # target-only sampling. Draft rows past T - 1 were not verified by anyone.
         num_draft = proposal.draft_ids.shape[1]
         nb, bs, vocab = target_logits.shape
+        verified = bs - 1
+        draft_ids = proposal.draft_ids[:, :verified]
+        ragged = num_verified if bool((num_verified != verified).any()) else None
         if all(r.params.is_greedy for r in batch):
-            return verify.verify_greedy(proposal.draft_ids, target_logits)
+            return verify.verify_greedy(draft_ids, target_logits, num_draft=ragged)
         greedy = torch.tensor([r.params.is_greedy for r in batch], device=self.device)
         temperature, top_k, top_p = self._param_tensors(batch)
         target_probs = sampling.probabilities(
@@ -224,8 +245,8 @@ class ModelRunner:
         # independent of acceptance and of its neighbours.
         coins = sampling.draw_uniforms(generators, num_draft + 1, device=self.device)  # [NB, BS]
         return verify.verify_sampled(
-            proposal.draft_ids, proposal.q, target_probs, coins[:, :num_draft], coins[:, num_draft],
-            draft_q_ids=proposal.cand_ids, greedy=greedy,
+            draft_ids, proposal.q[:, :verified], target_probs, coins[:, :verified], coins[:, num_draft],
+            draft_q_ids=proposal.cand_ids[:, :verified], greedy=greedy, num_draft=ragged,
         )
 
     # --------------------------------------------------------------- helpers

@@ -93,7 +93,8 @@ class FcfsScheduler(SchedulerInterface):
             if request.status == RequestStatus.WAITING:
                 request.status = RequestStatus.RUNNING
             if request_id in runner_output.accepted_len and request.stats.spec is not None:
-                request.stats.spec.observe_draft(request.stats.spec.num_draft_slots, runner_output.accepted_len[request_id])
+                num_verified = runner_output.num_verified.get(request_id, request.stats.spec.num_draft_slots)
+                request.stats.spec.observe_draft(num_verified, runner_output.accepted_len[request_id])
             release = request.append_committed(token_ids)
             if release.status is not None:
                 self._finish(request, release.status)

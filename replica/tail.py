@@ -39,7 +39,8 @@ import torch
 from dspine.kernels import fp8_head_topk, head_topk_exact, precompute_tail_tables, quantize_head_fp8, tail_chain
 from dspine.kernels import tail_tables as _tail_tables_op
 
-__all__ = ["TailTables", "Proposal", "propose", "retrieve_candidates", "conditional_tables", "draw_chain_uniforms"]
+__all__ = ["TailTables", "Proposal", "propose", "retrieve_candidates", "conditional_tables", "draw_chain_uniforms",
+           "chain_confidence", "verify_lengths"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ class Proposal:
     q: torch.Tensor  # [NB, BS-1, K] float64 distribution each y_t was drawn from, over cand_ids[:, t]
     cand_ids: torch.Tensor  # [NB, BS-1, K] int64 candidates (distinct per row, logit-descending)
     choice: torch.Tensor  # [NB, BS-1] int64 slot of y_t in cand_ids (draft_ids = cand_ids[choice])
+    # [NB, BS-1] float: how sure the drafter is at row t BEFORE drawing y_t: the top probability of
+    # the softmax (temperature 1) over the K candidates' conditional scores given y_{t-1}. Dynamic
+    # verification reads it. None: unknown.
+    confidence: torch.Tensor | None = None
 
     def dense_q(self, vocab_size: int) -> torch.Tensor:
         """q scattered over the vocabulary: ``[NB, BS-1, V]`` float64, zero outside the candidates."""
@@ -188,4 +193,32 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
         uniforms = draw_chain_uniforms(generators, temperature, bs - 1, dev)
     draft_ids, choice, q = tail_chain(scores, cand_ids, temperature, top_k.to(device=dev, dtype=torch.int64),
                                       top_p.to(device=dev, dtype=torch.float64), uniforms.to(dev))
-    return Proposal(draft_ids, q, cand_ids, choice)
+    return Proposal(draft_ids, q, cand_ids, choice, chain_confidence(scores, choice))
+
+
+def chain_confidence(scores: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """``[NB, BS-1]`` fp32: row t's top probability (softmax over the K receivers, temperature 1)
+    given the chosen predecessor y_{t-1} (row 1: the anchor). scores [NB, BS-1, K, K]; choice [NB, BS-1].
+
+    It deliberately does not look at the token drawn at row t: whether row t is verified may depend
+    on y_1 .. y_{t-1}, but never on y_t itself, or sampled verification would stop being lossless
+    (dropping unlikely draws in favour of a fresh target draw biases the output). For greedy rows
+    the top probability is that of y_t anyway."""
+    nb, rows, k, _ = scores.shape
+    pred = torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)  # row 1's tables are equal over j
+    table = scores.gather(2, pred[:, :, None, None].expand(nb, rows, 1, k)).squeeze(2)  # [NB, BS-1, K]
+    return table.float().softmax(-1).amax(-1)
+
+
+def verify_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Dynamic verification: ``[NB]`` int64, how many leading draft tokens each request verifies.
+
+    Row t is kept while the product of the drafter's confidences of rows 1..t (see
+    ``chain_confidence``: none of them looks at the token drawn at its own row) is at least
+    ``threshold``; 0 keeps the whole block. Verification stays lossless, and a shorter verify
+    forward is cheaper (fewer GEMM rows), while a row that is unlikely to be reached and accepted
+    adds little."""
+    # confidence: [NB, BS-1]
+    if threshold <= 0:
+        return torch.full(confidence.shape[:1], confidence.shape[1], dtype=torch.int64, device=confidence.device)
+    return (confidence.double().cumprod(dim=1) >= threshold).sum(dim=1)

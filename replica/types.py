@@ -80,6 +80,7 @@ class RunnerOutput:
     failed: dict[str, str]  # per request that failed this step: the error text
     stage_times: StageTimes  # of the whole step
     draft_pool_used: int = 0  # slots in use after the step
+    num_verified: dict[str, int] = field(default_factory=dict)  # per speculative request: draft tokens verified
 
     @classmethod
     def make_empty(cls) -> "RunnerOutput":

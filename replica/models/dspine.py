@@ -36,7 +36,7 @@ from dspine.kernels.bridge import bridge_ref
 from dspine.kernels import draft_attention
 from dspine.replica.models.dspine_config import DraftArgs
 
-__all__ = ["DraftArgs", "DraftOut", "DSpineDrafter", "RMSNorm", "apply_rope"]
+__all__ = ["DraftArgs", "DraftOut", "DSpineDrafter", "RMSNorm", "RotaryTables", "apply_rope"]
 
 
 @dataclass
@@ -71,14 +71,31 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@dataclass(frozen=True)
+class RotaryTables:
+    """cos / sin of the rotary angles for a set of positions, computed once and shared by every
+    layer and by q and k (the angles are formed in float64 so that large positions stay exact)."""
+
+    cos: torch.Tensor  # [..., T, 1, hd/2] (broadcast over heads)
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, pos: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> "RotaryTables":
+        """pos [..., T] absolute positions (int64); tables in ``dtype``."""
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float64) / head_dim))
+        ang = (pos.to(torch.float64)[..., None] * inv_freq).to(dtype)  # [..., T, hd/2]
+        return cls(ang.cos()[..., None, :], ang.sin()[..., None, :])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of x [..., T, heads, hd] (maths in the tables' dtype, result in x's)."""
+        x1, x2 = x.to(self.cos.dtype).chunk(2, dim=-1)
+        cos, sin = self.cos, self.sin
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half RoPE. x [..., T, heads, hd], pos [..., T] absolute positions (int64)."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float64) / hd))
-    ang = (pos.to(torch.float64)[..., None] * inv_freq).to(_acc(x.dtype))  # [..., T, hd/2]
-    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]  # broadcast over heads
-    x1, x2 = x.to(ang.dtype).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return RotaryTables.build(pos, x.shape[-1], base, _acc(x.dtype)).apply(x)
 
 
 class Attention(nn.Module):
@@ -93,23 +110,30 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
 
-    def kv(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [..., T, H], pos [..., T] -> RoPE'd k, v [..., T, Hkv, hd]."""
+    def rotary(self, pos: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """Rotary tables for positions pos [..., T], for activations of ``dtype``."""
+        return RotaryTables.build(pos, self.a.head_dim, self.a.rope_base, _acc(dtype))
+
+    def kv(self, h: torch.Tensor, pos: torch.Tensor | RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [..., T, H], pos [..., T] (or its rotary tables) -> RoPE'd k, v [..., T, Hkv, hd]."""
         a = self.a
+        rope = pos if isinstance(pos, RotaryTables) else self.rotary(pos, h.dtype)
         k = self.k_proj(h).unflatten(-1, (a.num_kv_heads, a.head_dim))
         v = self.v_proj(h).unflatten(-1, (a.num_kv_heads, a.head_dim))
         if a.qk_norm:
             k = self.k_norm(k)
-        return apply_rope(k, pos, a.rope_base), v
+        return rope.apply(k), v
 
     def forward(self, h, pos, pool_k, pool_v, ctx_slots, ctx_lens):
+        """h [B, T, H]; pos [B, T] absolute positions or their RotaryTables (shared by all layers)."""
         a = self.a
         B, T, C = h.size()
+        rope = pos if isinstance(pos, RotaryTables) else self.rotary(pos, h.dtype)
         q = self.q_proj(h).view(B, T, a.num_heads, a.head_dim)  # (B, T, Hq, hd)
         if a.qk_norm:
             q = self.q_norm(q)
-        q = apply_rope(q, pos, a.rope_base)
-        k, v = self.kv(h, pos)  # (B, T, Hkv, hd)
+        q = rope.apply(q)
+        k, v = self.kv(h, rope)  # (B, T, Hkv, hd)
         dt = pool_k.dtype  # attention runs in the pool's dtype
         y = draft_attention(q.to(dt), k.to(dt), v.to(dt), pool_k, pool_v, ctx_slots, ctx_lens,
                             a.window, 1.0 / math.sqrt(a.head_dim))
@@ -244,8 +268,9 @@ class DSpineDrafter(nn.Module):
         dev = pool.kv.device
         pos = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(start, counts)])
         ctx = self.fuse(torch.cat([f.to(dev) for f in features]))  # [sum T, H]
+        rope = self.layers[0].attn.rotary(pos, ctx.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.attn.kv(ctx, pos)  # [sum T, Hkv, hd]
+            k, v = layer.attn.kv(ctx, rope)  # [sum T, Hkv, hd]
             pool.kv[i, 0, slots] = k.to(pool.dtype)
             pool.kv[i, 1, slots] = v.to(pool.dtype)
 
@@ -263,9 +288,10 @@ class DSpineDrafter(nn.Module):
         NB, BS, C = x.size()
         ctx_slots, ctx_lens = pool.context_slots(request_ids)  # [NB, Lmax], [NB]
         pos = pool.positions(request_ids)[:, None] + torch.arange(BS, device=x.device)  # [NB, BS] absolute
+        rope = self.layers[0].attn.rotary(pos, x.dtype)
         out = None
         for i, layer in enumerate(self.layers):
-            x_pre = layer(x, pos, pool.kv[i, 0], pool.kv[i, 1], ctx_slots, ctx_lens)
+            x_pre = layer(x, rope, pool.kv[i, 0], pool.kv[i, 1], ctx_slots, ctx_lens)
             out = self.bridge(i, x_pre, anchor_ids)
             x = out.x_out
         return DraftOut(hidden=self.norm(x), x_last=x_pre, rms=out.rms, codes=out.codes)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dspine.kernels.draft_attention import draft_attention_ref
+from dspine.kernels.draft_attention import draft_attention, draft_attention_ref, draft_attention_torch
 
 
 def make_inputs(lens, bs, hq, hkv, hd, num_slots=300, dtype=torch.float32, device="cpu", seed=42):
@@ -111,3 +111,22 @@ def test_triton_reads_pool_views(kernel_module, kernel_device, assert_close):
     ref = mod.draft_attention_ref(**inp, window=20, scale=0.25)
     out = mod.draft_attention_triton(**inp, window=20, scale=0.25)
     assert_close("out", ref, out, 1e-5 if kernel_device == "cpu" else 2e-3)
+
+
+@pytest.mark.parametrize("dtype,ratio", DTYPES)
+@pytest.mark.parametrize("lens,bs,hq,hkv,hd,window", CASES)
+def test_torch_path_matches_ref(lens, bs, hq, hkv, hd, window, dtype, ratio, assert_close):
+    """The CPU path (gather + one SDPA call) against the reference, stale slots included."""
+    inp = make_inputs(lens, bs, hq, hkv, hd, dtype=dtype)
+    inp["pool_k"][0] = 1e3  # the padding sink must stay invisible
+    scale = 1 / math.sqrt(hd)
+    ref = draft_attention_ref(**inp, window=window, scale=scale)
+    out = draft_attention_torch(**inp, window=window, scale=scale)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close("out", ref, out, ratio)
+
+
+def test_dispatch_off_cuda_is_the_torch_path():
+    inp = make_inputs([7, 2], 16, 4, 2, 16)
+    out = draft_attention(**inp, window=5, scale=0.25)
+    assert torch.equal(out, draft_attention_torch(**inp, window=5, scale=0.25))

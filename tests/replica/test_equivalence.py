@@ -18,11 +18,13 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
 
+@pytest.mark.parametrize("verify_threshold", [0.0, 0.05], ids=["whole-block", "dynamic"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_speculative_greedy_equals_reference(build, preset, batch):
+def test_speculative_greedy_equals_reference(build, preset, batch, verify_threshold):
     target = build.target(preset)
-    engine = build.engine(target, window=6)  # 24 new tokens run past the 6-position draft window
+    # 24 new tokens run past the 6-position draft window
+    engine = build.engine(target, window=6, verify_threshold=verify_threshold)
     prompts = _prompts(target.args.vocab_size, [3, 17, 5, 29, 1, 11, 8, 23][:batch])
     results = engine.generate_many(prompts, GREEDY, speculative=True)
     for prompt, result in zip(prompts, results):
@@ -52,8 +54,9 @@ def test_mixed_speculative_and_target_only_in_one_batch(build, hybrid_target):
         assert outputs[request_id] == reference_generate(hybrid_target, prompt, GREEDY.max_new_tokens)
 
 
-def _oracle(engine, target, always_right: bool):
-    """Replace the tail with proposals built from the reference continuation."""
+def _oracle(engine, target, always_right: bool, confidence_seed: int | None = None):
+    """Replace the tail with proposals built from the reference continuation (with random
+    confidences when confidence_seed is given, so dynamic verification picks ragged lengths)."""
     vocab = target.args.vocab_size
     num_draft = engine.block_size - 1
     cache: dict[str, list[int]] = {}
@@ -71,8 +74,13 @@ def _oracle(engine, target, always_right: bool):
         cand_ids = draft_ids[..., None].repeat(1, 1, engine.drafter.args.head_topk)
         q = torch.zeros(cand_ids.shape, dtype=torch.float64)
         q[..., 0] = 1.0
-        return Proposal(draft_ids=draft_ids, q=q, cand_ids=cand_ids, choice=torch.zeros_like(draft_ids))
+        confidence = None
+        if confidence_seed is not None:
+            confidence = torch.rand(draft_ids.shape, generator=confidence_generator) * 0.5 + 0.5
+        return Proposal(draft_ids=draft_ids, q=q, cand_ids=cand_ids, choice=torch.zeros_like(draft_ids),
+                        confidence=confidence)
 
+    confidence_generator = torch.Generator().manual_seed(confidence_seed or 0)
     engine.runner.propose = propose
 
 
@@ -93,3 +101,25 @@ def test_forced_acceptance_patterns(build, preset, always_right):
             assert histogram[15] == result.stats.spec.num_cycles
         else:
             assert histogram[0] == result.stats.spec.num_cycles == params.max_new_tokens - 1
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
+def test_dynamic_verification_with_ragged_lengths(build, preset):
+    """Every draft token right, random confidences: each request verifies its own prefix length
+    (different lengths in one batch), accepts all of it and emits the bonus after it."""
+    target = build.target(preset)
+    engine = build.engine(target, window=8, verify_threshold=0.2)
+    _oracle(engine, target, always_right=True, confidence_seed=3)
+    prompts = _prompts(target.args.vocab_size, [5, 12, 3, 9])
+    params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    results = engine.generate_many(prompts, params, speculative=True)
+    verified_lengths = set()
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_generate(target, prompt, params.max_new_tokens)
+        spec = result.stats.spec
+        # all verified tokens accepted: accepted == verified in every cycle
+        assert spec.num_accepted_tokens == spec.num_draft_tokens
+        verified_lengths |= {n for n, count in enumerate(spec.accepted_len_histogram) if count}
+    assert len(verified_lengths) >= 3  # the threshold really cut blocks at different lengths
+    assert max(verified_lengths) < 15
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}

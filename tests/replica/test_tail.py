@@ -182,3 +182,42 @@ def test_from_drafter_builds_the_same_tables():
     want = (head * drafter.norm.weight.detach()) @ br.write_proj[-1].detach()
     torch.testing.assert_close(t.token_head_write, want)
     assert t.head_topk == args.head_topk and t.num_retrieve == args.num_retrieve
+
+
+def test_confidence_never_reads_the_token_drawn_at_its_own_row():
+    """Row t's confidence is the top probability of its table at the chosen y_{t-1}: changing the
+    choice at row t changes the confidence of row t + 1 only (sampled verification stays lossless)."""
+    from dspine.replica.tail import chain_confidence
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 5, K, K, generator=g)
+    scores[:, 0] = scores[:, 0, :1]  # row 1: every predecessor is the anchor
+    choice = torch.randint(0, K, (2, 5), generator=g)
+    conf = chain_confidence(scores, choice)
+    pred = torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)
+    for n in range(2):
+        for t in range(5):
+            want = scores[n, t, pred[n, t]].softmax(-1).max()
+            assert torch.isclose(conf[n, t], want)
+    other = choice.clone()
+    other[:, 2] = (other[:, 2] + 1) % K
+    changed = chain_confidence(scores, other) != conf
+    assert not changed[:, :3].any() and changed[:, 3].all()
+
+
+def test_verify_lengths_follow_the_confidence_product():
+    from dspine.replica.tail import verify_lengths
+
+    conf = torch.tensor([[0.9, 0.9, 0.5, 0.9], [0.3, 0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0]])
+    # products: [0.9, 0.81, 0.405, 0.3645], [0.3, 0.27, 0.243, 0.2187], [1, 1, 1, 1]
+    assert verify_lengths(conf, 0.4).tolist() == [3, 0, 4]
+    assert verify_lengths(conf, 0.25).tolist() == [4, 2, 4]
+    assert verify_lengths(conf, 0.0).tolist() == [4, 4, 4]
+
+
+def test_propose_fills_confidence():
+    p = make_params()
+    out, anchors = make_draft_out(p)
+    prop = propose(out, build_tables(p), anchors, torch.zeros(NB), torch.zeros(NB, dtype=torch.int64), torch.ones(NB))
+    assert prop.confidence.shape == (NB, BS - 1)
+    assert ((prop.confidence >= 1.0 / K - 1e-6) & (prop.confidence <= 1.0)).all()

@@ -86,13 +86,21 @@ def test_labels_are_the_target_greedy_continuation(target_dir):
 def test_anchor_range_and_row_weights():
     g = torch.Generator().manual_seed(0)
     plen = torch.tensor([1, 16, 49])
-    a = sample_anchors(plen, 64, 16, 200, g, early_frac=0.5, early_span=8)
+    lo = (plen[:, None] - 1).clamp(min=1)
+    a = sample_anchors(plen, 64, 16, 200, g, early_frac=0.5, early_span=8, text_anchors=True)
     assert (a >= 1).all() and (a <= 64 - 16).all()
     early = a[:, :100]
-    lo = (plen[:, None] - 1).clamp(min=1)
     assert (early >= lo).all() and (early <= lo + 7).all()
     assert early[2].unique().tolist() == [48]
-    assert len(a[1, 100:].unique()) > 30  # the rest covers the whole sequence
+    assert len(a[1, 100:].unique()) > 30  # text anchors: the rest covers the whole sequence
+    assert (a[1, 100:] < 15).any()
+    # default (the shipped recipe): uniform over the continuation only, one rand draw of [B, per_seq]
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = sample_anchors(plen, 64, 16, 200, g1)
+    assert (a >= lo).all() and (a <= 64 - 16).all()
+    u = torch.rand(3, 200, generator=g2)
+    span = 64 - 16 - lo + 1
+    assert torch.equal(a, lo + (u * span).long())
     w = row_weights(15, 7.0)
     assert torch.isclose(w.sum(), torch.tensor(1.0)) and (w[1:] < w[:-1]).all()
 
