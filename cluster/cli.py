@@ -22,6 +22,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="DSpine draft directory (default: the embedded drafter when --target is not given)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
+    parser.add_argument("--verify-threshold", type=float, default=None,
+                        help="dynamic verification: verify a draft row while the drafter's confidence product "
+                             "is >= this (0: the whole block; default: the engine's)")
+    parser.add_argument("--retrieval", default="auto", choices=["auto", "exact", "fp8", "bf16"],
+                        help="the tail's candidate retrieval (auto: fp8 on cuda, bf16 on CPUs with native bf16)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--num-prompts", type=int, default=8)
     bench_engine.add_argument("--prompt-len", type=int, default=64)
     bench_engine.add_argument("--concurrency", type=int, default=1)
+    bench_engine.add_argument("--repeats", type=int, default=3, help="paired target-only / speculative runs")
     bench_engine.add_argument("--json", action="store_true")
     train = commands.add_parser("train", help="train the embedded pair from scratch (CPU-friendly, seeded)")
     train_kinds = train.add_subparsers(dest="train", required=True)
@@ -106,13 +112,21 @@ def cmd_train(args) -> int:
 
 
 def _engine_from_args(args, speculative_needed: bool = True):
-    from dspine.replica import Engine, EngineConfig
+    from dspine.replica import Engine
 
     from .embedded import resolve_model_dirs
 
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed)
-    config = EngineConfig(device=args.device, dtype=args.dtype)
-    return Engine.from_pretrained(target_dir, draft_dir, config)
+    return Engine.from_pretrained(target_dir, draft_dir, _engine_config(args))
+
+
+def _engine_config(args, **extra):
+    from dspine.replica import EngineConfig
+
+    knobs = dict(device=args.device, dtype=args.dtype, retrieval=args.retrieval, **extra)
+    if args.verify_threshold is not None:
+        knobs["verify_threshold"] = args.verify_threshold
+    return EngineConfig(**knobs)
 
 
 def _sampling_from_args(args, stop=()):
@@ -159,7 +173,7 @@ def cmd_serve(args) -> int:
     import asyncio
     from pathlib import Path
 
-    from dspine.replica import Engine, EngineConfig
+    from dspine.replica import Engine
 
     from .embedded import resolve_model_dirs
     from .server import ServerConfig, serve_forever
@@ -167,8 +181,8 @@ def cmd_serve(args) -> int:
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=False)
     config = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           auth_token=args.auth_token, model_name=Path(target_dir).name)
-    engine = Engine.from_pretrained(target_dir, draft_dir, EngineConfig(
-        device=args.device, dtype=args.dtype, max_concurrency=args.max_concurrency, max_seq_len=args.max_seq_len))
+    engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(
+        args, max_concurrency=args.max_concurrency, max_seq_len=args.max_seq_len))
     asyncio.run(serve_forever(engine, config))
     return 0
 
@@ -193,8 +207,8 @@ def cmd_bench(args) -> int:
         return 0
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=True)
     report = bench.bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,
-                                prompt_len=args.prompt_len, concurrency=args.concurrency, device=args.device,
-                                dtype=args.dtype)
+                                prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
+                                config=_engine_config(args, max_concurrency=max(args.concurrency, 1)))
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.format())
     return 0
 

@@ -202,6 +202,21 @@ def head_topk_exact(hidden: torch.Tensor, head: torch.Tensor, k: int) -> tuple[t
     return _topk_by_logit(logits, ids, k)
 
 
+def head_topk_bf16(hidden: torch.Tensor, head_bf16: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU retrieval on cores with native bf16 GEMMs (AVX512-BF16, AMX): one bf16 scan of a bf16
+    copy of the head, top ``k`` of those scores, no rescoring.
+
+    ``(cand_ids [N, k] int64, approximate logits [N, k] fp32)``. Like the FP8 path it can swap a
+    candidate near the k-th place for its neighbour (bf16 keeps 8 mantissa bits); that only
+    changes what is proposed, never what verification emits. Rescoring the way the FP8 path
+    does would need a gather of R head rows per row, which costs more than the scan on CPU."""
+    logits = torch.nn.functional.linear(hidden.to(head_bf16.dtype), head_bf16).float()  # [N, V]
+    # bf16 scores tie often; ordering ties by id (as _topk_by_logit does) costs more than the scan
+    # on CPU, so ties keep torch.topk's order (deterministic for a given input on a given build).
+    values, top_ids = torch.topk(logits, k, dim=1)
+    return top_ids, values
+
+
 def fp8_head_topk_triton(hidden, head_fp8, head_scale, head, num_retrieve: int, k: int, *,
                          tile_v: int = 2048, block_v: int = 128, block_n: int = 64, block_h: int = 64):
     r = _check(hidden, head_fp8, head_scale, head, num_retrieve, k)

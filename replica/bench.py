@@ -90,17 +90,26 @@ class EngineBenchReport:
     num_prompts: int
     concurrency: int
     temperature: float
-    target_only_tokens: int
-    speculative_tokens: int
-    target_only_seconds: float
-    speculative_seconds: float
+    target_only_tokens: int  # per run
+    speculative_tokens: int  # per run
+    target_only_run_seconds: list[float]  # one entry per repeat
+    speculative_run_seconds: list[float]
     mean_accepted_len: float
-    accepted_len_histogram: list[int]
-    stage_seconds: dict
+    mean_verified_len: float  # draft tokens verified per cycle (dynamic verification: <= block - 1)
+    accepted_len_histogram: list[int]  # cycles of one speculative run
+    stage_seconds: dict  # per cycle, averaged over every speculative run
     target_step_seconds: float  # mean target-only step (C_t)
     cycle_seconds: float  # mean speculative cycle (C_d + C_v)
     identical_greedy_output: bool | None
-    extra: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # the engine settings that shape the figures
+
+    @property
+    def target_only_seconds(self) -> float:
+        return statistics.median(self.target_only_run_seconds)
+
+    @property
+    def speculative_seconds(self) -> float:
+        return statistics.median(self.speculative_run_seconds)
 
     @property
     def target_only_tokens_per_s(self) -> float:
@@ -111,8 +120,15 @@ class EngineBenchReport:
         return self.speculative_tokens / self.speculative_seconds
 
     @property
+    def run_speedups(self) -> list[float]:
+        """Speculative over target-only tokens/s of each repeat (the two runs of a repeat are adjacent)."""
+        return [(self.speculative_tokens / s) / (self.target_only_tokens / t)
+                for t, s in zip(self.target_only_run_seconds, self.speculative_run_seconds)]
+
+    @property
     def speedup(self) -> float:
-        return self.speculative_tokens_per_s / self.target_only_tokens_per_s
+        """Median over repeats of the paired ratio: robust to a noisy moment on a shared machine."""
+        return statistics.median(self.run_speedups)
 
     @property
     def cost_model_speedup(self) -> float:
@@ -122,21 +138,27 @@ class EngineBenchReport:
 
     def as_dict(self) -> dict:
         data = asdict(self)
-        data.update(target_only_tokens_per_s=self.target_only_tokens_per_s,
-                    speculative_tokens_per_s=self.speculative_tokens_per_s,
+        data.update(target_only_seconds=self.target_only_seconds, speculative_seconds=self.speculative_seconds,
+                    target_only_tokens_per_s=self.target_only_tokens_per_s,
+                    speculative_tokens_per_s=self.speculative_tokens_per_s, run_speedups=self.run_speedups,
                     speedup=self.speedup, cost_model_speedup=self.cost_model_speedup)
         return data
 
     def format(self) -> str:
         stage_total = sum(self.stage_seconds.values()) or 1.0
-        stages = ", ".join(f"{k} {v * 1e3 / max(1, sum(self.accepted_len_histogram)):.2f} ms ({100 * v / stage_total:.0f}%)"
-                           for k, v in self.stage_seconds.items())
+        stages = ", ".join(f"{k} {v * 1e3:.2f} ms ({100 * v / stage_total:.0f}%)" for k, v in self.stage_seconds.items())
+        runs = ", ".join(f"{r:.2f}" for r in self.run_speedups)
+        settings = ", ".join(f"{k} {v}" for k, v in self.config.items())
         lines = [
-            f"{self.num_prompts} prompts, concurrency {self.concurrency}, temperature {self.temperature}",
-            f"  target-only   {self.target_only_tokens_per_s:9.1f} tok/s  ({self.target_only_tokens} tokens, {self.target_only_seconds:.2f} s)",
-            f"  speculative   {self.speculative_tokens_per_s:9.1f} tok/s  ({self.speculative_tokens} tokens, {self.speculative_seconds:.2f} s)",
-            f"  speedup       {self.speedup:9.2f}x",
-            f"  mean accepted length {self.mean_accepted_len:.2f} (committed per cycle {self.mean_accepted_len + 1:.2f})",
+            f"{self.num_prompts} prompts, concurrency {self.concurrency}, temperature {self.temperature}"
+            + (f" ({settings})" if settings else ""),
+            f"  target-only   {self.target_only_tokens_per_s:9.1f} tok/s  ({self.target_only_tokens} tokens, "
+            f"median {self.target_only_seconds:.2f} s)",
+            f"  speculative   {self.speculative_tokens_per_s:9.1f} tok/s  ({self.speculative_tokens} tokens, "
+            f"median {self.speculative_seconds:.2f} s)",
+            f"  speedup       {self.speedup:9.2f}x  (median of {len(self.run_speedups)} paired runs: {runs})",
+            f"  mean accepted length {self.mean_accepted_len:.2f} (committed per cycle {self.mean_accepted_len + 1:.2f}; "
+            f"verified per cycle {self.mean_verified_len:.2f})",
             f"  accepted-length histogram {self.accepted_len_histogram}",
             f"  per-cycle stages: {stages}",
             f"  cost model: C_t {self.target_step_seconds * 1e3:.2f} ms, C_d + C_v {self.cycle_seconds * 1e3:.2f} ms, "
@@ -166,11 +188,17 @@ def heldout_prompts(engine: Engine, num_prompts: int, prompt_len: int) -> list[l
 
 def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int = 8, prompt_len: int = 64,
                  concurrency: int = 1, device: str = "auto", dtype: str = "auto", engine: Engine | None = None,
-                 prompts: list[list[int]] | None = None) -> EngineBenchReport:
-    """Decode the same prompts target-only, then speculatively, in one run."""
+                 prompts: list[list[int]] | None = None, repeats: int = 3,
+                 config: EngineConfig | None = None) -> EngineBenchReport:
+    """Decode the same prompts target-only and speculatively, ``repeats`` times each, in one run.
+
+    Each repeat runs the two modes back to back (alternating which goes first), so a slow moment
+    on a shared machine hits one pair, and the reported speedup is the median of the pairs."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
     if engine is None:
-        engine = Engine.from_pretrained(target_dir, draft_dir,
-                                        EngineConfig(device=device, dtype=dtype, max_concurrency=max(concurrency, 1)))
+        config = config or EngineConfig(device=device, dtype=dtype, max_concurrency=max(concurrency, 1))
+        engine = Engine.from_pretrained(target_dir, draft_dir, config)
     prompts = prompts or heldout_prompts(engine, num_prompts, prompt_len)
     params = SamplingParams(**{**asdict(params), "ignore_eos": True})
     engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=True)  # warm-up
@@ -183,28 +211,43 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
             results += engine.generate_many(prompts[i : i + concurrency], params, speculative=speculative)
         return results, time.perf_counter() - start
 
-    base_results, base_seconds = run(False)
-    spec_results, spec_seconds = run(True)
+    base_seconds, spec_seconds = [], []
+    base_results = spec_results = None
+    stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
+    for repeat in range(repeats):
+        for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
+            results, seconds = run(speculative)
+            if speculative:
+                spec_seconds.append(seconds)
+                spec_results = spec_results or results
+                for result in results:
+                    stages.add(result.stats.stage_times)
+                    cycles += result.stats.spec.num_cycles
+            else:
+                base_seconds.append(seconds)
+                base_results = base_results or results
+                target_step += sum(r.stats.stage_times.target_step for r in results)
+                base_steps += sum(max(0, r.stats.num_output_tokens - 1) for r in results)
     spec = SpecDecodingStats(engine.block_size - 1)
-    stages = StageTimes()
-    target_step = 0.0
     for result in spec_results:
         spec.merge(result.stats.spec)
-        stages.add(result.stats.stage_times)
-    for result in base_results:
-        target_step += result.stats.stage_times.target_step
-    base_steps = sum(max(0, r.stats.num_output_tokens - 1) for r in base_results)
-    cycle = (stages.draft + stages.tail + stages.verify + stages.commit) / max(1, spec.num_cycles)
+    per_cycle = {name: getattr(stages, name) / max(1, cycles) for name in ("draft", "tail", "verify", "commit")}
     identical = None
     if params.is_greedy:
         identical = all(a.token_ids == b.token_ids for a, b in zip(base_results, spec_results))
+    config = engine.config
     return EngineBenchReport(
         num_prompts=len(prompts), concurrency=concurrency, temperature=params.temperature,
         target_only_tokens=sum(len(r.token_ids) for r in base_results),
         speculative_tokens=sum(len(r.token_ids) for r in spec_results),
-        target_only_seconds=base_seconds, speculative_seconds=spec_seconds,
-        mean_accepted_len=spec.mean_accepted_len, accepted_len_histogram=spec.accepted_len_histogram,
-        stage_seconds={"draft": stages.draft, "tail": stages.tail, "verify": stages.verify, "commit": stages.commit},
-        target_step_seconds=target_step * concurrency / max(1, base_steps), cycle_seconds=cycle * concurrency,
+        target_only_run_seconds=base_seconds, speculative_run_seconds=spec_seconds,
+        mean_accepted_len=spec.mean_accepted_len,
+        mean_verified_len=spec.num_draft_tokens / max(1, spec.num_cycles),
+        accepted_len_histogram=spec.accepted_len_histogram,
+        stage_seconds=per_cycle,
+        target_step_seconds=target_step * concurrency / max(1, base_steps),
+        cycle_seconds=sum(per_cycle.values()) * concurrency,
         identical_greedy_output=identical,
+        config={"verify_threshold": config.verify_threshold, "retrieval": config.retrieval_mode,
+                "threads": torch.get_num_threads()},
     )

@@ -23,7 +23,10 @@ class EngineConfig:
     max_seq_len: int | None = None  # prompt + output; None -> the target's max_position_embeddings
     draft_pool: str = "dense"  # "dense" (as the released plugin) or "ring" (keeps only the window)
     draft_pool_tokens: int | None = None  # slots in the draft KV pool; None -> max_concurrency * max_seq_len
-    fp8_retrieval: bool | None = None  # FP8 head retrieval in the tail; None -> on for cuda, off on cpu
+    # The tail's candidate retrieval: "fp8" (scan an FP8 head copy, rescore; CUDA), "bf16" (scan a
+    # bf16 head copy; CPUs with native bf16 GEMMs), "exact" (the real head). "auto": fp8 on cuda,
+    # bf16 on such CPUs, else exact. It changes only what is proposed, never what is emitted.
+    retrieval: str = "auto"
     speculative_default: bool = True  # used when a request does not say and a drafter is loaded
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per forward
     # Dynamic verification: verify draft row t only while the product of the drafter's own
@@ -39,6 +42,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value != "auto" and value not in _DTYPES:
                 raise ValueError(f"{name}: must be 'auto' or one of {sorted(_DTYPES)}, got {value!r}")
+        if self.retrieval not in ("auto", "exact", "fp8", "bf16"):
+            raise ValueError(f"retrieval: must be 'auto', 'exact', 'fp8' or 'bf16', got {self.retrieval!r}")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold: must be in [0, 1), got {self.verify_threshold}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -63,7 +68,18 @@ class EngineConfig:
         return _DTYPES[self.draft_dtype]
 
     @property
-    def use_fp8_retrieval(self) -> bool:
-        if self.fp8_retrieval is None:
-            return self.torch_device.type == "cuda"
-        return self.fp8_retrieval
+    def retrieval_mode(self) -> str:
+        """The resolved retrieval: "fp8", "bf16" or "exact"."""
+        if self.retrieval != "auto":
+            return self.retrieval
+        if self.torch_device.type == "cuda":
+            return "fp8"
+        return "bf16" if self.torch_device.type == "cpu" and _cpu_has_native_bf16() else "exact"
+
+
+def _cpu_has_native_bf16() -> bool:
+    """True when oneDNN runs bf16 GEMMs natively on this CPU (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

@@ -98,7 +98,8 @@ class Engine:
         else:
             slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len
             pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
-        tables = TailTables.from_drafter(self.drafter, fp8_retrieval=self.config.use_fp8_retrieval)
+        mode = self.config.retrieval_mode
+        tables = TailTables.from_drafter(self.drafter, fp8_retrieval=mode == "fp8", bf16_retrieval=mode == "bf16")
         return pool, tables
 
     # ------------------------------------------------------------ requests

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspine.kernels import fp8_head_topk, head_topk_exact, precompute_tail_tables, quantize_head_fp8, tail_chain
+from dspine.kernels import (fp8_head_topk, head_topk_bf16, head_topk_exact, precompute_tail_tables, quantize_head_fp8,
+                            tail_chain)
 from dspine.kernels import tail_tables as _tail_tables_op
 
 __all__ = ["TailTables", "Proposal", "propose", "retrieve_candidates", "conditional_tables", "draw_chain_uniforms",
@@ -61,13 +62,17 @@ class TailTables:
     head_topk: int = 16  # K
     num_retrieve: int = 128  # R
     fp8_retrieval: bool = True  # config switch: FP8 scan + rescore, else the real head directly
+    head_bf16: torch.Tensor | None = None  # [V, H] bf16 copy: the CPU scan (used when fp8_retrieval is off)
 
     @classmethod
     def build(cls, *, codebook, gate_recv, gate_pred, value_proj, gate_bias, write_proj, head, final_norm_weight,
               norm_eps: float, head_topk: int = 16, num_retrieve: int = 128, fp8_retrieval: bool = True,
-              table_dtype: torch.dtype | None = None) -> "TailTables":
-        """Build from plain tensors (``write_proj`` is the LAST layer's ``[H, M]``)."""
+              bf16_retrieval: bool = False, table_dtype: torch.dtype | None = None) -> "TailTables":
+        """Build from plain tensors (``write_proj`` is the LAST layer's ``[H, M]``). Retrieval: the FP8
+        scan (``fp8_retrieval``, CUDA), a bf16 scan (``bf16_retrieval``, CPUs with native bf16), else exact."""
         v = head.shape[0]
+        if fp8_retrieval and bf16_retrieval:
+            raise ValueError("fp8_retrieval / bf16_retrieval: choose at most one retrieval scan")
         if not 1 <= head_topk <= min(num_retrieve, v):
             raise ValueError(f"head_topk: need 1 <= head_topk ({head_topk}) <= min(num_retrieve, V) "
                              f"({min(num_retrieve, v)})")
@@ -75,8 +80,9 @@ class TailTables:
             thw, tgv, gram = precompute_tail_tables(codebook, gate_pred, value_proj, write_proj, head,
                                                     final_norm_weight, dtype=table_dtype)
             head_fp8, head_scale = quantize_head_fp8(head) if fp8_retrieval else (None, None)
+            head_bf16 = head.detach().to(torch.bfloat16).contiguous() if bf16_retrieval else None
         return cls(thw, tgv, gram, head, final_norm_weight, gate_recv, gate_bias, write_proj, head_fp8, head_scale,
-                   float(norm_eps), int(head_topk), int(num_retrieve), bool(fp8_retrieval))
+                   float(norm_eps), int(head_topk), int(num_retrieve), bool(fp8_retrieval), head_bf16)
 
     @classmethod
     def from_drafter(cls, drafter, **kwargs) -> "TailTables":
@@ -91,7 +97,8 @@ class TailTables:
     def nbytes(self) -> dict[str, int]:
         """Bytes this object owns (referenced model tensors excluded)."""
         own = {"token_head_write": self.token_head_write, "token_gate_value": self.token_gate_value,
-               "write_gram": self.write_gram, "head_fp8": self.head_fp8, "head_scale": self.head_scale}
+               "write_gram": self.write_gram, "head_fp8": self.head_fp8, "head_scale": self.head_scale,
+               "head_bf16": self.head_bf16}
         return {k: (t.numel() * t.element_size() if t is not None else 0) for k, t in own.items()}
 
 
@@ -123,13 +130,16 @@ class Proposal:
 
 
 def retrieve_candidates(hidden: torch.Tensor, tables: TailTables, fp8_retrieval: bool | None = None):
-    """``hidden [N, H]`` (final-normed) -> ``(cand_ids [N, K] int64, cand_logits [N, K] fp32)``."""
+    """``hidden [N, H]`` (final-normed) -> ``(cand_ids [N, K] int64, cand_logits [N, K] fp32)``.
+    ``fp8_retrieval`` overrides the tables' choice: True the FP8 scan, False the exact head."""
     fp8 = tables.fp8_retrieval if fp8_retrieval is None else fp8_retrieval
     if fp8:
         if tables.head_fp8 is None:
             raise ValueError("fp8_retrieval: TailTables was built with fp8_retrieval=False (no FP8 head copy)")
         return fp8_head_topk(hidden, tables.head_fp8, tables.head_scale, tables.head, tables.num_retrieve,
                              tables.head_topk)
+    if fp8_retrieval is None and tables.head_bf16 is not None:
+        return head_topk_bf16(hidden, tables.head_bf16, tables.head_topk)
     return head_topk_exact(hidden, tables.head, tables.head_topk)
 
 

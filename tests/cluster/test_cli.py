@@ -62,13 +62,19 @@ def test_generate_json_equals_the_engine(saved_pair, capsys, spec_flag):
 def test_bench_engine_reports_a_ratio_measured_in_one_run(saved_pair, capsys):
     target_dir, draft_dir = saved_pair
     argv = ["bench", "engine", "--target", target_dir, "--draft", draft_dir, "--num-prompts", "2",
-            "--prompt-len", "8", "--max-new-tokens", "12", "--json", "--device", "cpu", "--dtype", "float32"]
+            "--prompt-len", "8", "--max-new-tokens", "12", "--json", "--device", "cpu", "--dtype", "float32",
+            "--repeats", "3", "--verify-threshold", "0.3", "--retrieval", "exact"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["identical_greedy_output"] is True
-    assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_only_tokens_per_s"])
+    assert len(report["target_only_run_seconds"]) == len(report["speculative_run_seconds"]) == 3
+    ratios = sorted((report["speculative_tokens"] / s) / (report["target_only_tokens"] / t)
+                    for t, s in zip(report["target_only_run_seconds"], report["speculative_run_seconds"]))
+    assert report["speedup"] == pytest.approx(ratios[1])  # the median paired ratio
     assert report["target_only_tokens"] == report["speculative_tokens"] == 24
     assert sum(report["accepted_len_histogram"]) >= 2
+    assert report["config"]["verify_threshold"] == 0.3 and report["config"]["retrieval"] == "exact"
+    assert report["mean_accepted_len"] <= report["mean_verified_len"] <= 15
 
 
 def test_missing_target_dir_is_a_clear_error(capsys, tmp_path):

@@ -129,3 +129,31 @@ def test_rejects_k_above_retrieval():
     q, s = fh.quantize_head_fp8(head)
     with pytest.raises(ValueError, match="k"):
         fh.fp8_head_topk_ref(torch.randn(1, 4), q, s, head, 4, 5)
+
+
+def test_bf16_scan_equals_exact_top_k_on_bf16_representable_inputs():
+    """Small-integer hidden and head give integer logits of at most 128 in magnitude, exact in
+    bf16: the scan then returns the exact top-k scores; its ids carry exactly those scores and,
+    away from ties at the k-th place, form the same set."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.randint(-4, 5, (300, 16), generator=g).float()
+    hidden = torch.randint(-2, 3, (7, 16), generator=g).float()
+    ids_exact, logits_exact = fh.head_topk_exact(hidden, head, 10)
+    ids, logits = fh.head_topk_bf16(hidden, head.to(torch.bfloat16), 10)
+    assert ids.dtype == torch.int64 and logits.dtype == torch.float32
+    assert torch.equal(logits, logits_exact)
+    assert torch.equal((hidden[:, None, :] * head[ids]).sum(-1), logits)  # each id carries its score
+    all_logits = hidden @ head.t()
+    for row in range(7):
+        boundary = logits_exact[row, -1]
+        if (all_logits[row] == boundary).sum() == (logits_exact[row] == boundary).sum():  # no tie across k
+            assert set(ids[row].tolist()) == set(ids_exact[row].tolist())
+
+
+def test_bf16_scan_is_close_to_exact_on_random_heads():
+    g = torch.Generator().manual_seed(1)
+    head, hidden = torch.randn(2000, 64, generator=g) * 0.05, torch.randn(15, 64, generator=g)
+    ids_exact, _ = fh.head_topk_exact(hidden, head, 16)
+    ids, _ = fh.head_topk_bf16(hidden, head.to(torch.bfloat16), 16)
+    overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids, ids_exact)) / ids.numel()
+    assert 0.9 < overlap <= 1.0

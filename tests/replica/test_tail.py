@@ -169,6 +169,24 @@ def test_tables_memory_and_switch():
     assert Proposal.make_dummy(2, 4, 3).q.sum(-1).eq(1).all()
 
 
+def test_bf16_retrieval_tables_and_switch():
+    p = make_params()
+    out, anchors = make_draft_out(p)
+    args = dict(norm_eps=EPS, head_topk=K, num_retrieve=R)
+    common = {k: p[k] for k in ("codebook", "gate_recv", "gate_pred", "value_proj", "gate_bias", "write_proj",
+                                "head", "final_norm_weight")}
+    t = TailTables.build(**common, **args, fp8_retrieval=False, bf16_retrieval=True)
+    assert t.nbytes()["head_bf16"] == V * H * 2 and t.head_bf16.dtype == torch.bfloat16
+    hidden = out.hidden[:, 1:].reshape(-1, H)
+    from dspine.replica.tail import retrieve_candidates
+
+    from dspine.kernels import head_topk_bf16, head_topk_exact
+    assert torch.equal(retrieve_candidates(hidden, t)[0], head_topk_bf16(hidden, t.head_bf16, K)[0])
+    assert torch.equal(retrieve_candidates(hidden, t, fp8_retrieval=False)[0], head_topk_exact(hidden, t.head, K)[0])
+    with pytest.raises(ValueError, match="bf16_retrieval"):
+        TailTables.build(**common, **args, fp8_retrieval=True, bf16_retrieval=True)
+
+
 def test_from_drafter_builds_the_same_tables():
     dspine = pytest.importorskip("dspine.replica.models.dspine")
     from dspine.replica.models.dspine_config import DraftArgs
