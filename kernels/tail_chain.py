@@ -20,6 +20,8 @@ rows, with the factors in float64.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import triton
 import triton.language as tl
@@ -153,33 +155,35 @@ def _greedy_chain_ref(scores, cand_ids):
 
 
 def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
-    """Plain torch, float64 factors; vectorised over blocks, serial over rows."""
+    """Plain torch, float64 factors. q of every (row, predecessor) table row is computed at once
+    (vectorised); the serial walk then only reads those tables: the inverse-CDF draw of a row is
+    the number of cdf entries <= u * cdf[-1], capped at the last slot with q > 0."""
     _check(scores, cand_ids, temperature, top_k, top_p, uniforms)
     nb, t, k, _ = scores.shape
     dev = scores.device
     if nb and bool((temperature <= 0).all()):
         return _greedy_chain_ref(scores, cand_ids)
-    temperature = temperature.to(torch.float64)
-    top_p = top_p.to(torch.float64)
-    top_k = top_k.to(torch.int64)
-    ar = torch.arange(nb, device=dev)
-    slots = torch.arange(k, device=dev)
-    j = torch.zeros(nb, dtype=torch.int64, device=dev)
-    draft_ids, choice, qs = [], [], []
-    for row in range(t):
-        logits = scores[ar, row, j].to(torch.float64)  # [NB, K]
-        q = _row_q(logits, temperature, top_k, top_p)
-        cdf = q.cumsum(dim=1)
-        target = uniforms[:, row].to(torch.float64) * cdf[:, -1]
-        n_le = (cdf <= target[:, None]).sum(dim=1)
-        last_pos = torch.where(q > 0, slots, -1).amax(dim=1)
-        slot = torch.minimum(n_le, last_pos)
-        # greedy rows: q is already one-hot on the argmax (ties to the lower slot)
-        draft_ids.append(cand_ids[ar, row, slot])
-        choice.append(slot)
-        qs.append(q)
-        j = slot
-    return torch.stack(draft_ids, 1), torch.stack(choice, 1), torch.stack(qs, 1)
+    per_block = t * k  # table rows per block
+    q_all = _row_q(scores.reshape(nb * per_block, k).to(torch.float64),
+                   temperature.to(torch.float64).repeat_interleave(per_block),
+                   top_k.to(torch.int64).repeat_interleave(per_block),
+                   top_p.to(torch.float64).repeat_interleave(per_block)).view(nb, t, k, k)  # [NB, T, K(j), K(i)]
+    cdf = q_all.cumsum(dim=-1).tolist()
+    last_pos = torch.where(q_all > 0, torch.arange(k, device=dev), -1).amax(dim=-1).tolist()  # [NB, T, K(j)]
+    coins = uniforms.to(torch.float64).tolist()
+    paths = []
+    for b in range(nb):
+        j, path = 0, []
+        for row in range(t):
+            c = cdf[b][row][j]
+            j = min(bisect.bisect_right(c, coins[b][row] * c[-1]), last_pos[b][row][j])
+            path.append(j)
+        paths.append(path)
+    choice = torch.tensor(paths, dtype=torch.int64, device=dev).view(nb, t)
+    pred = torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)  # row 1 reads slot 0
+    q = q_all.gather(2, pred[:, :, None, None].expand(nb, t, 1, k)).squeeze(2)  # [NB, T, K]
+    draft_ids = torch.gather(cand_ids, 2, choice[..., None])[..., 0]
+    return draft_ids, choice, q
 
 
 _USE_TRITON = torch.cuda.is_available()  # chosen once, at import

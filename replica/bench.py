@@ -121,7 +121,7 @@ class EngineBenchReport:
 
     @property
     def run_speedups(self) -> list[float]:
-        """Speculative over target-only tokens/s of each repeat (the two runs of a repeat are adjacent)."""
+        """Speculative over target-only tokens/s of each repeat (the two modes interleaved group by group)."""
         return [(self.speculative_tokens / s) / (self.target_only_tokens / t)
                 for t, s in zip(self.target_only_run_seconds, self.speculative_run_seconds)]
 
@@ -192,8 +192,10 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
                  config: EngineConfig | None = None) -> EngineBenchReport:
     """Decode the same prompts target-only and speculatively, ``repeats`` times each, in one run.
 
-    Each repeat runs the two modes back to back (alternating which goes first), so a slow moment
-    on a shared machine hits one pair, and the reported speedup is the median of the pairs."""
+    The two modes are interleaved group by group (a group is ``concurrency`` prompts decoded
+    together), alternating which mode goes first, so a slow stretch on a shared machine lands
+    on both sides of the comparison; each repeat gives one paired ratio and the reported speedup
+    is their median."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     if engine is None:
@@ -204,30 +206,27 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=True)  # warm-up
     engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=False)
 
-    def run(speculative: bool):
-        start = time.perf_counter()
-        results = []
-        for i in range(0, len(prompts), concurrency):
-            results += engine.generate_many(prompts[i : i + concurrency], params, speculative=speculative)
-        return results, time.perf_counter() - start
-
+    groups = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
     base_seconds, spec_seconds = [], []
     base_results = spec_results = None
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
     for repeat in range(repeats):
-        for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
-            results, seconds = run(speculative)
-            if speculative:
-                spec_seconds.append(seconds)
-                spec_results = spec_results or results
-                for result in results:
-                    stages.add(result.stats.stage_times)
-                    cycles += result.stats.spec.num_cycles
-            else:
-                base_seconds.append(seconds)
-                base_results = base_results or results
-                target_step += sum(r.stats.stage_times.target_step for r in results)
-                base_steps += sum(max(0, r.stats.num_output_tokens - 1) for r in results)
+        seconds = {False: 0.0, True: 0.0}
+        results = {False: [], True: []}
+        for g, group in enumerate(groups):
+            for speculative in ((False, True) if (repeat + g) % 2 == 0 else (True, False)):
+                start = time.perf_counter()
+                results[speculative] += engine.generate_many(group, params, speculative=speculative)
+                seconds[speculative] += time.perf_counter() - start
+        base_seconds.append(seconds[False])
+        spec_seconds.append(seconds[True])
+        base_results = base_results or results[False]
+        spec_results = spec_results or results[True]
+        for result in results[True]:
+            stages.add(result.stats.stage_times)
+            cycles += result.stats.spec.num_cycles
+        target_step += sum(r.stats.stage_times.target_step for r in results[False])
+        base_steps += sum(max(0, r.stats.num_output_tokens - 1) for r in results[False])
     spec = SpecDecodingStats(engine.block_size - 1)
     for result in spec_results:
         spec.merge(result.stats.spec)
