@@ -133,6 +133,11 @@ class DraftTrainConfig:
     grad_clip: float = 1.0
     decay_gamma: float = 7.0  # row k weight exp(-(k-1)/gamma)
     tail_weight: float = 1.0
+    # Soft labels (opt-in): also match the target's own distribution after x[..a+k-1], kept as its
+    # top soft_label_topk tokens (renormalised); the row loss becomes
+    # (1 - soft_label_weight) * CE(greedy label) + soft_label_weight * CE(target top-k distribution).
+    soft_label_topk: int = 0
+    soft_label_weight: float = 0.5
     threads: int = 0  # 0 -> torch's default
     log_every: int = 50
 
@@ -229,18 +234,49 @@ def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg:
 
 @torch.no_grad()
 def target_pass(target, tokens: torch.Tensor, taps: tuple[int, ...], chunk: int = 16,
-                dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype = torch.bfloat16, soft_topk: int = 0):
     """One stateless target forward over every sequence (chunked) ->
     ``(features [N, L, F, H] in dtype, greedy [N, L] int64)``: the taps of every position and the
-    target's greedy next token after every prefix (``greedy[:, t] = argmax p(. | x[..t])``)."""
+    target's greedy next token after every prefix (``greedy[:, t] = argmax p(. | x[..t])``).
+    With ``soft_topk`` a third item ``SoftLabels`` holds the target's top-k next-token distribution."""
     N, L = tokens.shape
     feats = torch.empty(N, L, len(taps), target.args.hidden_size, dtype=dtype)
     greedy = torch.empty(N, L, dtype=torch.long)
+    soft = SoftLabels.empty(N, L, soft_topk) if soft_topk else None
     for i in range(0, N, chunk):
         out = target(tokens[i : i + chunk], feature_layers=taps)
         feats[i : i + chunk] = out.features.to(dtype)
         greedy[i : i + chunk] = out.logits.argmax(-1)
-    return feats, greedy
+        if soft is not None:
+            top = out.logits.float().log_softmax(-1).topk(soft_topk, dim=-1)
+            soft.ids[i : i + chunk] = top.indices.to(soft.ids.dtype)
+            soft.logp[i : i + chunk] = top.values.to(soft.logp.dtype)
+    return (feats, greedy) if soft is None else (feats, greedy, soft)
+
+
+@dataclass
+class SoftLabels:
+    """The target's top-k next-token distribution after every prefix of every sequence."""
+
+    ids: torch.Tensor  # [N, L, k] int32
+    logp: torch.Tensor  # [N, L, k] bf16 log-probabilities (of the full softmax)
+
+    @classmethod
+    def empty(cls, n: int, length: int, k: int) -> "SoftLabels":
+        return cls(torch.empty(n, length, k, dtype=torch.int32), torch.empty(n, length, k, dtype=torch.bfloat16))
+
+    def __getitem__(self, index) -> "SoftLabels":
+        return SoftLabels(self.ids[index], self.logp[index])
+
+    def at_blocks(self, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row k of the block at anchor a reads position a+k-1: ``(ids [B, A, BS-1, k] int64,
+        probs [B, A, BS-1, k] fp32 renormalised over the k)``. anchors [B, A]."""
+        idx = anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)  # [B, A, BS-1]
+        k = self.ids.shape[-1]
+        flat = idx.flatten(1)[..., None].expand(-1, -1, k)
+        ids = self.ids.gather(1, flat).view(*idx.shape, k).long()
+        probs = self.logp.gather(1, flat).view(*idx.shape, k).float().softmax(-1)
+        return ids, probs
 
 
 # ----------------------------------------------------------------------------- losses
@@ -280,8 +316,14 @@ def block_labels(tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tens
     return labels, preds, valid
 
 
+def soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """-sum_j probs_j log softmax(logits)[ids_j] over the last dim: logits [..., V]; ids, probs [..., k]."""
+    return -(probs * logits.log_softmax(-1).gather(-1, ids)).sum(-1)
+
+
 def block_losses(drafter: DSpineDrafter, features: torch.Tensor, tokens: torch.Tensor, greedy: torch.Tensor,
-                 anchors: torch.Tensor, weights: torch.Tensor) -> dict:
+                 anchors: torch.Tensor, weights: torch.Tensor, soft: SoftLabels | None = None,
+                 soft_weight: float = 0.5) -> dict:
     """Main and tail losses of the blocks at ``anchors [B, A]`` plus greedy-acceptance statistics.
 
     ``accept``: mean number of leading rows the serving greedy tail would get right (the label is among
@@ -295,6 +337,10 @@ def block_losses(drafter: DSpineDrafter, features: torch.Tensor, tokens: torch.T
     V = logits.shape[-1]
     ce_main = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(labels)
     ce_tail = F.cross_entropy(tail_logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(labels)
+    if soft is not None:  # the target's distribution at the same positions as the greedy labels
+        soft_ids, soft_probs = soft.at_blocks(anchors, drafter.args.block_size)
+        ce_main = (1 - soft_weight) * ce_main + soft_weight * soft_cross_entropy(logits, soft_ids, soft_probs)
+        ce_tail = (1 - soft_weight) * ce_tail + soft_weight * soft_cross_entropy(tail_logits, soft_ids, soft_probs)
     with torch.no_grad():
         K = drafter.args.head_topk
         cand = logits.topk(K, dim=-1).indices  # [B, A, BS-1, K]
@@ -387,6 +433,9 @@ _print = functools.partial(print, flush=True)  # the CLI's log usually goes to a
 
 def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     """Generate (or load) the distillation data, train the drafter, save it to ``cfg.out_dir``."""
+    if cfg.soft_label_topk < 0 or not 0.0 <= cfg.soft_label_weight <= 1.0:
+        raise ValueError(f"soft_label_topk / soft_label_weight: need topk >= 0 and weight in [0, 1], got "
+                         f"{cfg.soft_label_topk} / {cfg.soft_label_weight}")
     t0 = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -407,7 +456,9 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
                                            cache_dir / f"train-{tag}.safetensors", log)
     gen_seconds = time.time() - t0
-    features, greedy = target_pass(target, tokens, taps)
+    passed = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
+    features, greedy = passed[:2]
+    soft = passed[2] if cfg.soft_label_topk else None
     on_path = (tokens[:, 1:] == greedy[:, :-1]).float().mean()
     log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
         f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens; {100 * on_path:.1f}% of all next "
@@ -437,7 +488,8 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
         idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=g)
         anchors = sample_anchors(prompt_len[idx], L, args.block_size, cfg.anchors_per_seq, g,
                                  cfg.early_frac, cfg.early_span, cfg.text_anchors)
-        res = block_losses(drafter, features[idx].float(), tokens[idx], greedy[idx], anchors, weights)
+        res = block_losses(drafter, features[idx].float(), tokens[idx], greedy[idx], anchors, weights,
+                           soft[idx] if soft is not None else None, cfg.soft_label_weight)
         loss = res["main"] + cfg.tail_weight * res["tail"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

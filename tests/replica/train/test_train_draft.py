@@ -145,3 +145,31 @@ def test_block_labels_follow_the_target_greedy_path():
     # anchor 0: rows 1, 2 are on the path and row 3's label is the target's token 99 (text says 13)
     # anchor 3: row 1's label 98 != text 14, so rows 2, 3 are not the target's continuation
     assert valid.tolist() == [[[True, True, True], [True, False, False]]]
+
+
+def test_soft_labels_read_the_labels_position_and_reduce_to_cross_entropy():
+    from dspine.replica.train.draft import SoftLabels, soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    n, length, k, vocab = 2, 40, 5, 30
+    logp = torch.randn(n, length, vocab, generator=g).log_softmax(-1)
+    top = logp.topk(k, dim=-1)
+    soft = SoftLabels(top.indices.int(), top.values.bfloat16())
+    anchors = torch.tensor([[3, 10], [0, 20]])
+    ids, probs = soft.at_blocks(anchors, block_size=6)
+    assert ids.shape == probs.shape == (2, 2, 5, k)
+    assert torch.equal(ids[1, 1, 2], top.indices[1, 20 + 2].long())  # row 3 of anchor 20 reads position 22
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 2, 5))
+    logits = torch.randn(7, vocab, generator=g)
+    labels = torch.randint(0, vocab, (7,), generator=g)
+    one_hot = torch.ones(7, 1)
+    torch.testing.assert_close(soft_cross_entropy(logits, labels[:, None], one_hot),
+                               torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
+
+
+def test_distil_with_soft_labels(target_dir, tmp_path):
+    summary = train_draft(_config(target_dir, tmp_path / "draft", soft_label_topk=8, steps=40, eval_sequences=0),
+                          log=lambda *_: None)
+    assert summary["final_loss"] < summary["first_loss"]
+    with pytest.raises(ValueError, match="soft_label_weight"):
+        train_draft(_config(target_dir, tmp_path / "bad", soft_label_weight=1.5), log=lambda *_: None)
