@@ -102,6 +102,7 @@ class EngineBenchReport:
     cycle_seconds: float  # mean speculative cycle (C_d + C_v)
     identical_greedy_output: bool | None
     config: dict = field(default_factory=dict)  # the engine settings that shape the figures
+    gemm_probe_us: list[float] = field(default_factory=list)  # per repeat: see gemm_probe()
 
     @property
     def target_only_seconds(self) -> float:
@@ -165,9 +166,31 @@ class EngineBenchReport:
             f"(C_d + C_v) / tau {self.cycle_seconds * 1e3 / (self.mean_accepted_len + 1):.2f} ms/token "
             f"-> bound {self.cost_model_speedup:.2f}x",
         ]
+        if self.gemm_probe_us:
+            probes = ", ".join(f"{p:.0f}" for p in self.gemm_probe_us)
+            lines.append(f"  machine state: 16-row GEMM probe {probes} us per repeat (compare runs by this)")
         if self.identical_greedy_output is not None:
             lines.append(f"  greedy speculative output identical to target-only: {self.identical_greedy_output}")
         return "\n".join(lines)
+
+
+def gemm_probe(device: torch.device | str = "cpu", iters: int = 200) -> float:
+    """Microseconds per [16, 256] x [256, 768] fp32 GEMM: the shape of a verify forward's linears.
+
+    Shared machines change speed under their neighbours, and verify-sized GEMMs feel it more
+    than single-token steps; a probe taken next to each paired run says which state it saw."""
+    x = torch.randn(16, 256, device=device)
+    w = torch.randn(768, 256, device=device)
+    for _ in range(20):
+        torch.nn.functional.linear(x, w)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        torch.nn.functional.linear(x, w)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / iters * 1e6
 
 
 def heldout_prompts(engine: Engine, num_prompts: int, prompt_len: int) -> list[list[int]]:
@@ -210,7 +233,9 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     base_seconds, spec_seconds = [], []
     base_results = spec_results = None
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
+    probes = []
     for repeat in range(repeats):
+        probes.append(gemm_probe(engine.device))
         seconds = {False: 0.0, True: 0.0}
         results = {False: [], True: []}
         for g, group in enumerate(groups):
@@ -249,4 +274,5 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         identical_greedy_output=identical,
         config={"verify_threshold": config.verify_threshold, "retrieval": config.retrieval_mode,
                 "threads": torch.get_num_threads()},
+        gemm_probe_us=probes,
     )

@@ -75,6 +75,7 @@ def test_bench_engine_reports_a_ratio_measured_in_one_run(saved_pair, capsys):
     assert sum(report["accepted_len_histogram"]) >= 2
     assert report["config"]["verify_threshold"] == 0.3 and report["config"]["retrieval"] == "exact"
     assert report["mean_accepted_len"] <= report["mean_verified_len"] <= 15
+    assert len(report["gemm_probe_us"]) == 3 and all(p > 0 for p in report["gemm_probe_us"])
 
 
 def test_missing_target_dir_is_a_clear_error(capsys, tmp_path):
