@@ -175,26 +175,33 @@ def draft_attention_triton(q, block_k, block_v, pool_k, pool_v, context_slots, c
     return out
 
 
-def draft_attention_ref(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens,
-                        window: int, scale: float) -> torch.Tensor:
-    NB, BS, Hq, Hkv, hd = _check(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window)
-    G = Hq // Hkv
+def _visible_keys(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window: int):
+    """The keys a block can see, gathered: ``(keys, values [NB, Wc + BS, Hkv, hd] in fp32 (fp64 for
+    fp64 inputs), mask [NB, BS, Wc + BS] bool)`` with Wc = min(Lmax, window) context entries."""
+    BS = q.shape[1]
     dev = q.device
     Wc = min(context_slots.shape[1], window)  # only the last `window` context entries can be visible
     lens = context_lens.to(dev, torch.int64)
-    idx = lens[:, None] - Wc + torch.arange(Wc, device=dev)  # [NB, Wc] context index
+    idx = lens[:, None] - Wc + torch.arange(Wc, device=dev)  # [NB, Wc] context index; negative = none
     slots = context_slots.to(dev).gather(1, idx.clamp(min=0))
-    f = torch.promote_types(q.dtype, torch.float32)  # fp32 maths (fp64 for fp64 inputs)
+    f = torch.promote_types(q.dtype, torch.float32)
     keys = torch.cat([pool_k[slots], block_k], 1).to(f)  # [NB, Wc + BS, Hkv, hd]
-    vals = torch.cat([pool_v[slots], block_v], 1).to(f)
+    values = torch.cat([pool_v[slots], block_v], 1).to(f)
     ar = torch.arange(BS, device=dev)
     kpos = torch.cat([idx, lens[:, None] + ar], 1)  # [NB, Wc + BS]
-    kvalid = torch.cat([idx >= 0, torch.ones(NB, BS, dtype=torch.bool, device=dev)], 1)
-    qpos = lens[:, None] + ar  # [NB, BS]
-    mask = kvalid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] > qpos[:, :, None] - window)
+    distance = (lens[:, None] + ar)[:, :, None] - kpos[:, None, :]  # [NB, BS, Wc + BS] query - key position
+    mask = (distance >= 0) & (distance < window) & (kpos >= 0)[:, None, :]
+    return keys, values, mask
+
+
+def draft_attention_ref(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens,
+                        window: int, scale: float) -> torch.Tensor:
+    NB, BS, Hq, Hkv, hd = _check(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window)
+    keys, vals, mask = _visible_keys(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window)
+    G = Hq // Hkv
     keys = keys.repeat_interleave(G, dim=2)  # [NB, Lk, Hq, hd]
     vals = vals.repeat_interleave(G, dim=2)
-    s = torch.einsum("nthd,nshd->nhts", q.to(f), keys) * scale  # (NB, Hq, BS, Lk)
+    s = torch.einsum("nthd,nshd->nhts", q.to(keys.dtype), keys) * scale  # (NB, Hq, BS, Lk)
     s = s.masked_fill(~mask[:, None], float("-inf"))
     out = torch.einsum("nhts,nshd->nthd", s.softmax(-1), vals)
     return out.to(q.dtype)
@@ -202,25 +209,15 @@ def draft_attention_ref(q, block_k, block_v, pool_k, pool_v, context_slots, cont
 
 def draft_attention_torch(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens,
                           window: int, scale: float) -> torch.Tensor:
-    """The CPU path: the same gather as `draft_attention_ref`, then one fused SDPA call with GQA.
+    """The CPU path: the reference's gather, then one fused SDPA call with GQA.
 
     Same maths as the reference (tested against it); it avoids materialising the repeated K/V
     heads and the score matrix, which on CPU costs more than the attention itself."""
     NB, BS, Hq, Hkv, hd = _check(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window)
-    dev = q.device
-    Wc = min(context_slots.shape[1], window)  # only the last `window` context entries can be visible
-    lens = context_lens.to(dev, torch.int64)
-    idx = lens[:, None] - Wc + torch.arange(Wc, device=dev)  # [NB, Wc] context index
-    slots = context_slots.to(dev).gather(1, idx.clamp(min=0))
-    f = torch.promote_types(q.dtype, torch.float32)
-    keys = torch.cat([pool_k[slots], block_k], 1).transpose(1, 2).to(f)  # [NB, Hkv, Wc + BS, hd]
-    vals = torch.cat([pool_v[slots], block_v], 1).transpose(1, 2).to(f)
-    ar = torch.arange(BS, device=dev)
-    kpos = torch.cat([idx, lens[:, None] + ar], 1)  # [NB, Wc + BS]; negative = no context entry
-    distance = (lens[:, None] + ar)[:, :, None] - kpos[:, None, :]  # [NB, BS, Wc + BS] query - key position
-    mask = (distance >= 0) & (distance < window) & (kpos >= 0)[:, None, :]
+    keys, vals, mask = _visible_keys(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens, window)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2).to(f), keys, vals, attn_mask=mask[:, None], scale=scale, enable_gqa=Hq != Hkv)
+        q.transpose(1, 2).to(keys.dtype), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None],
+        scale=scale, enable_gqa=Hq != Hkv)
     return out.transpose(1, 2).to(q.dtype)  # [NB, BS, Hq, hd]
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tail_chain", "tail_chain_triton", "tail_chain_ref"]
+__all__ = ["tail_chain", "tail_chain_triton", "tail_chain_ref", "predecessor_slots"]
 
 
 @triton.jit
@@ -154,6 +154,12 @@ def _greedy_chain_ref(scores, cand_ids):
     return draft_ids, choice, q
 
 
+def predecessor_slots(choice: torch.Tensor) -> torch.Tensor:
+    """``[NB, T]`` slot j of the table row each chain row reads: 0 for row 1 (every predecessor is
+    the anchor), then the previous row's choice. choice [NB, T] int64."""
+    return torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)
+
+
 def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
     """Plain torch, float64 factors. q of every (row, predecessor) table row is computed at once
     (vectorised); the serial walk then only reads those tables: the inverse-CDF draw of a row is
@@ -180,7 +186,7 @@ def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
             path.append(j)
         paths.append(path)
     choice = torch.tensor(paths, dtype=torch.int64, device=dev).view(nb, t)
-    pred = torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)  # row 1 reads slot 0
+    pred = predecessor_slots(choice)
     q = q_all.gather(2, pred[:, :, None, None].expand(nb, t, 1, k)).squeeze(2)  # [NB, T, K]
     draft_ids = torch.gather(cand_ids, 2, choice[..., None])[..., 0]
     return draft_ids, choice, q

@@ -219,8 +219,8 @@ class ModelRunner:
         """[NB] int64: dynamic verification lengths (the whole block without a confidence)."""
         from . import tail
 
-        nb, num_draft = proposal.draft_ids.shape
-        if proposal.confidence is None or self.config.verify_threshold <= 0:
+        if proposal.confidence is None:
+            nb, num_draft = proposal.draft_ids.shape
             return torch.full((nb,), num_draft, dtype=torch.int64, device=proposal.draft_ids.device)
         return tail.verify_lengths(proposal.confidence, self.config.verify_threshold)
 

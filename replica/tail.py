@@ -39,6 +39,7 @@ import torch
 from dspine.kernels import (fp8_head_topk, head_topk_bf16, head_topk_exact, precompute_tail_tables, quantize_head_fp8,
                             tail_chain)
 from dspine.kernels import tail_tables as _tail_tables_op
+from dspine.kernels.tail_chain import predecessor_slots
 
 __all__ = ["TailTables", "Proposal", "propose", "retrieve_candidates", "conditional_tables", "draw_chain_uniforms",
            "chain_confidence", "verify_lengths"]
@@ -215,7 +216,7 @@ def chain_confidence(scores: torch.Tensor, choice: torch.Tensor) -> torch.Tensor
     (dropping unlikely draws in favour of a fresh target draw biases the output). For greedy rows
     the top probability is that of y_t anyway."""
     nb, rows, k, _ = scores.shape
-    pred = torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)  # row 1's tables are equal over j
+    pred = predecessor_slots(choice)
     table = scores.gather(2, pred[:, :, None, None].expand(nb, rows, 1, k)).squeeze(2)  # [NB, BS-1, K]
     return table.float().softmax(-1).amax(-1)
 
