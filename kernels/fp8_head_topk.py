@@ -33,8 +33,11 @@ every function here accepts either storage.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+try:  # triton is optional on CPU-only installs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
 
 __all__ = [
     "fp8_head_topk",
@@ -52,66 +55,68 @@ _HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 _KEY_ID_MAX = 0x7FFFFFFF  # ids are packed as (_KEY_ID_MAX - id): larger key = lower id
 
 
-@triton.jit(do_not_specialize=["N"])  # N = blocks * 15 changes with the batch: no recompiles
-def _fp8_head_scores_kernel(
-    hidden_ptr,  # [N, H] any float
-    head_fp8_ptr,  # [V, H] float8_e4m3fn or fp32 holding e4m3 values
-    head_scale_ptr,  # [V] fp32
-    scores_ptr,  # [N, V] fp32 out: (hidden . head_fp8[v]) * scale[v]
-    N,
-    V,
-    H,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    DOT_BF16: tl.constexpr,  # True on GPU: bf16 tensor-core dot (e4m3 is exact in bf16)
-):
-    i_n = tl.program_id(0)  # row blocks vary fastest: they share one head tile in L2
-    i_v = tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_n = o_n < N
-    m_v = o_v < V
-    b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        o_h = h0 + tl.arange(0, BLOCK_H)
-        m_h = o_h < H
-        b_x = tl.load(hidden_ptr + o_n[:, None].to(tl.int64) * H + o_h[None, :],
-                      mask=m_n[:, None] & m_h[None, :], other=0.0)
-        b_w = tl.load(head_fp8_ptr + o_v[:, None].to(tl.int64) * H + o_h[None, :],
-                      mask=m_v[:, None] & m_h[None, :], other=0.0)
-        if DOT_BF16:
-            b_acc = tl.dot(b_x.to(tl.bfloat16), tl.trans(b_w.to(tl.bfloat16)), b_acc)
-        else:
-            b_acc = tl.dot(b_x.to(tl.float32), tl.trans(b_w.to(tl.float32)), b_acc, input_precision="ieee")
-    b_s = tl.load(head_scale_ptr + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_acc = b_acc * b_s[None, :]
-    tl.store(scores_ptr + o_n[:, None].to(tl.int64) * V + o_v[None, :], b_acc,
-             mask=m_n[:, None] & m_v[None, :])
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["N"])  # N = blocks * 15 changes with the batch: no recompiles
+    def _fp8_head_scores_kernel(
+        hidden_ptr,  # [N, H] any float
+        head_fp8_ptr,  # [V, H] float8_e4m3fn or fp32 holding e4m3 values
+        head_scale_ptr,  # [V] fp32
+        scores_ptr,  # [N, V] fp32 out: (hidden . head_fp8[v]) * scale[v]
+        N,
+        V,
+        H,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        DOT_BF16: tl.constexpr,  # True on GPU: bf16 tensor-core dot (e4m3 is exact in bf16)
+    ):
+        i_n = tl.program_id(0)  # row blocks vary fastest: they share one head tile in L2
+        i_v = tl.program_id(1)
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        m_n = o_n < N
+        m_v = o_v < V
+        b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            o_h = h0 + tl.arange(0, BLOCK_H)
+            m_h = o_h < H
+            b_x = tl.load(hidden_ptr + o_n[:, None].to(tl.int64) * H + o_h[None, :],
+                          mask=m_n[:, None] & m_h[None, :], other=0.0)
+            b_w = tl.load(head_fp8_ptr + o_v[:, None].to(tl.int64) * H + o_h[None, :],
+                          mask=m_v[:, None] & m_h[None, :], other=0.0)
+            if DOT_BF16:
+                b_acc = tl.dot(b_x.to(tl.bfloat16), tl.trans(b_w.to(tl.bfloat16)), b_acc)
+            else:
+                b_acc = tl.dot(b_x.to(tl.float32), tl.trans(b_w.to(tl.float32)), b_acc, input_precision="ieee")
+        b_s = tl.load(head_scale_ptr + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_acc = b_acc * b_s[None, :]
+        tl.store(scores_ptr + o_n[:, None].to(tl.int64) * V + o_v[None, :], b_acc,
+                 mask=m_n[:, None] & m_v[None, :])
 
 
-@triton.jit
-def _fp8_head_topk_kernel(
-    scores_ptr,  # [N, V] fp32
-    keys_ptr,  # [N, num_tiles, R] int64 out: the tile's R best (score, id) keys, descending
-    V,
-    num_tiles,
-    R: tl.constexpr,
-    TILE_V: tl.constexpr,
-):
-    i_n = tl.program_id(0)
-    i_t = tl.program_id(1)
-    o_v = i_t * TILE_V + tl.arange(0, TILE_V)
-    m_v = o_v < V
-    b_s = tl.load(scores_ptr + i_n.to(tl.int64) * V + o_v, mask=m_v, other=0.0)
-    # Order-preserving int32 image of the float, then (score, -id) packed in int64.
-    b_bits = b_s.to(tl.int32, bitcast=True)
-    b_ord = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)
-    b_key = (b_ord.to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-    b_key = tl.where(m_v, b_key, -9223372036854775807 - 1)  # padding sorts last
-    b_key = tl.sort(b_key, descending=True)
-    o_r = tl.arange(0, TILE_V)
-    tl.store(keys_ptr + (i_n.to(tl.int64) * num_tiles + i_t) * R + o_r, b_key, mask=o_r < R)
+    @triton.jit
+    def _fp8_head_topk_kernel(
+        scores_ptr,  # [N, V] fp32
+        keys_ptr,  # [N, num_tiles, R] int64 out: the tile's R best (score, id) keys, descending
+        V,
+        num_tiles,
+        R: tl.constexpr,
+        TILE_V: tl.constexpr,
+    ):
+        i_n = tl.program_id(0)
+        i_t = tl.program_id(1)
+        o_v = i_t * TILE_V + tl.arange(0, TILE_V)
+        m_v = o_v < V
+        b_s = tl.load(scores_ptr + i_n.to(tl.int64) * V + o_v, mask=m_v, other=0.0)
+        # Order-preserving int32 image of the float, then (score, -id) packed in int64.
+        b_bits = b_s.to(tl.int32, bitcast=True)
+        b_ord = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)
+        b_key = (b_ord.to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
+        b_key = tl.where(m_v, b_key, -9223372036854775807 - 1)  # padding sorts last
+        b_key = tl.sort(b_key, descending=True)
+        o_r = tl.arange(0, TILE_V)
+        tl.store(keys_ptr + (i_n.to(tl.int64) * num_tiles + i_t) * R + o_r, b_key, mask=o_r < R)
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +256,7 @@ def fp8_head_topk_ref(hidden, head_fp8, head_scale, head, num_retrieve: int, k: 
     return _rescore(hidden, head, retrieved, k)
 
 
-_USE_TRITON = torch.cuda.is_available()  # chosen once, at import
+_USE_TRITON = triton is not None and torch.cuda.is_available()  # chosen once, at import
 
 
 def fp8_head_topk(hidden, head_fp8, head_scale, head, num_retrieve: int, k: int, **tiles):

@@ -23,71 +23,76 @@ from __future__ import annotations
 import bisect
 
 import torch
-import triton
-import triton.language as tl
+try:  # triton is optional on CPU-only installs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
 
 __all__ = ["tail_chain", "tail_chain_triton", "tail_chain_ref", "predecessor_slots"]
 
 
-@triton.jit
-def _tail_chain_kernel(
-    scores_ptr,  # [NB, T, K, K] fp32 (j pred, i recv)
-    cand_ptr,  # [NB, T, K] int64
-    temp_ptr,  # [NB] float64
-    top_k_ptr,  # [NB] int64
-    top_p_ptr,  # [NB] float64
-    u_ptr,  # [NB, T] float64 uniforms in [0, 1)
-    draft_ptr,  # [NB, T] int64 out
-    choice_ptr,  # [NB, T] int64 out
-    q_ptr,  # [NB, T, K] float64 out
-    T,
-    K,
-    BLOCK_K: tl.constexpr,
-):
-    i_n = tl.program_id(0)
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < K
-    b_temp = tl.load(temp_ptr + i_n).to(tl.float64)
-    b_topk = tl.load(top_k_ptr + i_n).to(tl.int32)
-    b_topp = tl.load(top_p_ptr + i_n).to(tl.float64)
-    greedy = b_temp <= 0.0
-    b_klim = tl.where(b_topk <= 0, BLOCK_K, b_topk)  # top_k 0 disables it
-    b_plim = tl.where(b_topp >= 1.0, 2.0, b_topp)  # top_p 1 disables it (mass_before < 2 always)
-    b_tsafe = tl.where(greedy, 1.0, b_temp)
-    # [s, s'] helpers: s' strictly before s in slot order / at or before s
-    before_slot = o_k[None, :] < o_k[:, None]
-    upto_slot = (o_k[None, :] <= o_k[:, None]) & m_k[None, :]
-    j = 0
-    for t in range(0, T):
-        row = i_n * T + t
-        b_l = tl.load(scores_ptr + (row * K + j) * K + o_k, mask=m_k, other=float("-inf")).to(tl.float64)
-        b_max = tl.max(b_l, axis=0)
-        g_slot = tl.min(tl.where(m_k & (b_l == b_max), o_k, BLOCK_K), axis=0)
+if triton is not None:
 
-        b_z = (b_l - b_max) / b_tsafe
-        # rank[s]: slots ahead of s in the (value desc, slot asc) order
-        beats = ((b_z[None, :] > b_z[:, None]) | ((b_z[None, :] == b_z[:, None]) & before_slot)) & m_k[None, :]
-        b_rank = tl.sum(beats.to(tl.int32), axis=1)
-        keep = m_k & (b_rank < b_klim)
-        b_e = tl.where(keep, tl.exp(tl.where(keep, b_z, 0.0)), 0.0)
-        b_p = b_e / tl.sum(b_e, axis=0)
-        mass_before = tl.sum(tl.where((b_rank[None, :] < b_rank[:, None]) & keep[None, :], b_p[None, :], 0.0), axis=1)
-        keep = keep & (mass_before < b_plim)
-        b_e = tl.where(keep, b_e, 0.0)
-        b_q = b_e / tl.sum(b_e, axis=0)
+    @triton.jit
+    def _tail_chain_kernel(
+        scores_ptr,  # [NB, T, K, K] fp32 (j pred, i recv)
+        cand_ptr,  # [NB, T, K] int64
+        temp_ptr,  # [NB] float64
+        top_k_ptr,  # [NB] int64
+        top_p_ptr,  # [NB] float64
+        u_ptr,  # [NB, T] float64 uniforms in [0, 1)
+        draft_ptr,  # [NB, T] int64 out
+        choice_ptr,  # [NB, T] int64 out
+        q_ptr,  # [NB, T, K] float64 out
+        T,
+        K,
+        BLOCK_K: tl.constexpr,
+    ):
+        i_n = tl.program_id(0)
+        o_k = tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_temp = tl.load(temp_ptr + i_n).to(tl.float64)
+        b_topk = tl.load(top_k_ptr + i_n).to(tl.int32)
+        b_topp = tl.load(top_p_ptr + i_n).to(tl.float64)
+        greedy = b_temp <= 0.0
+        b_klim = tl.where(b_topk <= 0, BLOCK_K, b_topk)  # top_k 0 disables it
+        b_plim = tl.where(b_topp >= 1.0, 2.0, b_topp)  # top_p 1 disables it (mass_before < 2 always)
+        b_tsafe = tl.where(greedy, 1.0, b_temp)
+        # [s, s'] helpers: s' strictly before s in slot order / at or before s
+        before_slot = o_k[None, :] < o_k[:, None]
+        upto_slot = (o_k[None, :] <= o_k[:, None]) & m_k[None, :]
+        j = 0
+        for t in range(0, T):
+            row = i_n * T + t
+            b_l = tl.load(scores_ptr + (row * K + j) * K + o_k, mask=m_k, other=float("-inf")).to(tl.float64)
+            b_max = tl.max(b_l, axis=0)
+            g_slot = tl.min(tl.where(m_k & (b_l == b_max), o_k, BLOCK_K), axis=0)
 
-        b_cdf = tl.sum(tl.where(upto_slot, b_q[None, :], 0.0), axis=1)
-        b_u = tl.load(u_ptr + row).to(tl.float64) * tl.sum(b_q, axis=0)
-        n_le = tl.sum((m_k & (b_cdf <= b_u)).to(tl.int32), axis=0)
-        last_pos = tl.max(tl.where(b_q > 0.0, o_k, -1), axis=0)
-        s_slot = tl.minimum(n_le, last_pos)
+            b_z = (b_l - b_max) / b_tsafe
+            # rank[s]: slots ahead of s in the (value desc, slot asc) order
+            beats = ((b_z[None, :] > b_z[:, None]) | ((b_z[None, :] == b_z[:, None]) & before_slot)) & m_k[None, :]
+            b_rank = tl.sum(beats.to(tl.int32), axis=1)
+            keep = m_k & (b_rank < b_klim)
+            b_e = tl.where(keep, tl.exp(tl.where(keep, b_z, 0.0)), 0.0)
+            b_p = b_e / tl.sum(b_e, axis=0)
+            mass_before = tl.sum(tl.where((b_rank[None, :] < b_rank[:, None]) & keep[None, :], b_p[None, :], 0.0), axis=1)
+            keep = keep & (mass_before < b_plim)
+            b_e = tl.where(keep, b_e, 0.0)
+            b_q = b_e / tl.sum(b_e, axis=0)
 
-        slot = tl.where(greedy, g_slot, s_slot)
-        b_q = tl.where(greedy, tl.where(o_k == slot, 1.0, 0.0).to(tl.float64), b_q)
-        tl.store(q_ptr + row * K + o_k, b_q, mask=m_k)
-        tl.store(choice_ptr + row, slot.to(tl.int64))
-        tl.store(draft_ptr + row, tl.load(cand_ptr + row * K + slot))
-        j = slot
+            b_cdf = tl.sum(tl.where(upto_slot, b_q[None, :], 0.0), axis=1)
+            b_u = tl.load(u_ptr + row).to(tl.float64) * tl.sum(b_q, axis=0)
+            n_le = tl.sum((m_k & (b_cdf <= b_u)).to(tl.int32), axis=0)
+            last_pos = tl.max(tl.where(b_q > 0.0, o_k, -1), axis=0)
+            s_slot = tl.minimum(n_le, last_pos)
+
+            slot = tl.where(greedy, g_slot, s_slot)
+            b_q = tl.where(greedy, tl.where(o_k == slot, 1.0, 0.0).to(tl.float64), b_q)
+            tl.store(q_ptr + row * K + o_k, b_q, mask=m_k)
+            tl.store(choice_ptr + row, slot.to(tl.int64))
+            tl.store(draft_ptr + row, tl.load(cand_ptr + row * K + slot))
+            j = slot
 
 
 def _check(scores, cand_ids, temperature, top_k, top_p, uniforms):
@@ -192,7 +197,7 @@ def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
     return draft_ids, choice, q
 
 
-_USE_TRITON = torch.cuda.is_available()  # chosen once, at import
+_USE_TRITON = triton is not None and torch.cuda.is_available()  # chosen once, at import
 
 
 def tail_chain(scores, cand_ids, temperature, top_k, top_p, uniforms):

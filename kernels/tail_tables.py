@@ -28,94 +28,99 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+try:  # triton is optional on CPU-only installs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
 
 __all__ = ["tail_tables", "tail_tables_triton", "tail_tables_ref", "precompute_tail_tables"]
 
 
-@triton.jit
-def _m_tile(gr_ptr, tgv_ptr, p_rows, o_m, m_k, M):
-    """m(j) restricted to message columns ``o_m``: [BLOCK_K, BLOCK_M] fp32 (0 outside)."""
-    m_m = o_m < M
-    m_2 = m_k[:, None] & m_m[None, :]
-    b_gr = tl.load(gr_ptr + o_m, mask=m_m, other=0.0)
-    b_gate = tl.load(tgv_ptr + p_rows[:, None] * (2 * M) + o_m[None, :], mask=m_2, other=0.0).to(tl.float32)
-    b_val = tl.load(tgv_ptr + p_rows[:, None] * (2 * M) + M + o_m[None, :], mask=m_2, other=0.0).to(tl.float32)
-    return tl.sigmoid(b_gr[None, :] + b_gate) * b_val
+if triton is not None:
 
-
-@triton.jit
-def _tail_tables_kernel(
-    x_ptr,  # [NB, BS, H] last layer's residual before its bridge write
-    rms_ptr,  # [NB, BS]
-    gr_ptr,  # [NB * (BS-1), M] fp32: G c_t + b
-    u_ptr,  # [NB * (BS-1), M] fp32: W^T x_t
-    xx_ptr,  # [NB * (BS-1)] fp32: |x_t|^2
-    cand_ptr,  # [NB * (BS-1), K] int64 receiver candidate ids
-    pred_ptr,  # [NB * (BS-1), K] int64 predecessor candidate ids
-    tgv_ptr,  # [V, 2M] token_gate_value
-    thw_ptr,  # [V, M] token_head_write
-    gram_ptr,  # [M, M] W^T W
-    head_ptr,  # [V, H] LM head
-    g_ptr,  # [H] final norm weight
-    scores_ptr,  # [NB * (BS-1), K, K] fp32 out, [j, i]
-    BS,
-    H,
-    M,
-    K,
-    eps,
-    BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    i_row = tl.program_id(0)  # n * (BS-1) + (t-1)
-    i_n = i_row // (BS - 1)
-    i_t = i_row % (BS - 1) + 1
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < K
-    p_cand = tl.load(cand_ptr + i_row * K + o_k, mask=m_k, other=0)
-    p_pred = tl.load(pred_ptr + i_row * K + o_k, mask=m_k, other=0)
-    x_row = x_ptr + (i_n * BS + i_t).to(tl.int64) * H
-    b_r = tl.load(rms_ptr + i_n * BS + i_t).to(tl.float32)
-    b_xx = tl.load(xx_ptr + i_row)
-
-    # hx[i] = (g * head_i) . x_t
-    b_hx = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        o_h = h0 + tl.arange(0, BLOCK_H)
-        m_h = o_h < H
-        b_gx = tl.load(x_row + o_h, mask=m_h, other=0.0).to(tl.float32) * \
-            tl.load(g_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_w = tl.load(head_ptr + p_cand[:, None] * H + o_h[None, :], mask=m_k[:, None] & m_h[None, :],
-                      other=0.0).to(tl.float32)
-        b_hx += tl.sum(b_w * b_gx[None, :], axis=1)
-
-    gr_row = gr_ptr + i_row * M
-    b_wm = tl.zeros([BLOCK_K, BLOCK_K], dtype=tl.float32)  # [j, i] thw_i . m(j)
-    b_xm = tl.zeros([BLOCK_K], dtype=tl.float32)  # [j] (W^T x_t) . m(j)
-    b_mgm = tl.zeros([BLOCK_K], dtype=tl.float32)  # [j] m(j)^T (W^T W) m(j)
-    for m0 in range(0, M, BLOCK_M):
-        o_m = m0 + tl.arange(0, BLOCK_M)
+    @triton.jit
+    def _m_tile(gr_ptr, tgv_ptr, p_rows, o_m, m_k, M):
+        """m(j) restricted to message columns ``o_m``: [BLOCK_K, BLOCK_M] fp32 (0 outside)."""
         m_m = o_m < M
-        b_m = _m_tile(gr_row, tgv_ptr, p_pred, o_m, m_k, M)
-        b_thw = tl.load(thw_ptr + p_cand[:, None] * M + o_m[None, :], mask=m_k[:, None] & m_m[None, :],
-                        other=0.0).to(tl.float32)
-        b_wm = tl.dot(b_m, tl.trans(b_thw), b_wm, input_precision="ieee")
-        b_u = tl.load(u_ptr + i_row * M + o_m, mask=m_m, other=0.0)
-        b_xm += tl.sum(b_m * b_u[None, :], axis=1)
-        b_gm = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)  # (m(j)^T Gram)[:, o_m]
-        for m1 in range(0, M, BLOCK_M):
-            o_m1 = m1 + tl.arange(0, BLOCK_M)
-            b_m1 = _m_tile(gr_row, tgv_ptr, p_pred, o_m1, m_k, M)
-            b_gw = tl.load(gram_ptr + o_m1[:, None] * M + o_m[None, :], mask=(o_m1 < M)[:, None] & m_m[None, :],
-                           other=0.0).to(tl.float32)
-            b_gm = tl.dot(b_m1, b_gw, b_gm, input_precision="ieee")
-        b_mgm += tl.sum(b_gm * b_m, axis=1)
+        m_2 = m_k[:, None] & m_m[None, :]
+        b_gr = tl.load(gr_ptr + o_m, mask=m_m, other=0.0)
+        b_gate = tl.load(tgv_ptr + p_rows[:, None] * (2 * M) + o_m[None, :], mask=m_2, other=0.0).to(tl.float32)
+        b_val = tl.load(tgv_ptr + p_rows[:, None] * (2 * M) + M + o_m[None, :], mask=m_2, other=0.0).to(tl.float32)
+        return tl.sigmoid(b_gr[None, :] + b_gate) * b_val
 
-    b_n2 = (b_xx + 2.0 * b_r * b_xm + b_r * b_r * b_mgm) / H + eps
-    b_sc = (b_hx[None, :] + b_r * b_wm) / tl.sqrt(b_n2)[:, None]
-    tl.store(scores_ptr + i_row * K * K + o_k[:, None] * K + o_k[None, :], b_sc, mask=m_k[:, None] & m_k[None, :])
+
+    @triton.jit
+    def _tail_tables_kernel(
+        x_ptr,  # [NB, BS, H] last layer's residual before its bridge write
+        rms_ptr,  # [NB, BS]
+        gr_ptr,  # [NB * (BS-1), M] fp32: G c_t + b
+        u_ptr,  # [NB * (BS-1), M] fp32: W^T x_t
+        xx_ptr,  # [NB * (BS-1)] fp32: |x_t|^2
+        cand_ptr,  # [NB * (BS-1), K] int64 receiver candidate ids
+        pred_ptr,  # [NB * (BS-1), K] int64 predecessor candidate ids
+        tgv_ptr,  # [V, 2M] token_gate_value
+        thw_ptr,  # [V, M] token_head_write
+        gram_ptr,  # [M, M] W^T W
+        head_ptr,  # [V, H] LM head
+        g_ptr,  # [H] final norm weight
+        scores_ptr,  # [NB * (BS-1), K, K] fp32 out, [j, i]
+        BS,
+        H,
+        M,
+        K,
+        eps,
+        BLOCK_K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        i_row = tl.program_id(0)  # n * (BS-1) + (t-1)
+        i_n = i_row // (BS - 1)
+        i_t = i_row % (BS - 1) + 1
+        o_k = tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        p_cand = tl.load(cand_ptr + i_row * K + o_k, mask=m_k, other=0)
+        p_pred = tl.load(pred_ptr + i_row * K + o_k, mask=m_k, other=0)
+        x_row = x_ptr + (i_n * BS + i_t).to(tl.int64) * H
+        b_r = tl.load(rms_ptr + i_n * BS + i_t).to(tl.float32)
+        b_xx = tl.load(xx_ptr + i_row)
+
+        # hx[i] = (g * head_i) . x_t
+        b_hx = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            o_h = h0 + tl.arange(0, BLOCK_H)
+            m_h = o_h < H
+            b_gx = tl.load(x_row + o_h, mask=m_h, other=0.0).to(tl.float32) * \
+                tl.load(g_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_w = tl.load(head_ptr + p_cand[:, None] * H + o_h[None, :], mask=m_k[:, None] & m_h[None, :],
+                          other=0.0).to(tl.float32)
+            b_hx += tl.sum(b_w * b_gx[None, :], axis=1)
+
+        gr_row = gr_ptr + i_row * M
+        b_wm = tl.zeros([BLOCK_K, BLOCK_K], dtype=tl.float32)  # [j, i] thw_i . m(j)
+        b_xm = tl.zeros([BLOCK_K], dtype=tl.float32)  # [j] (W^T x_t) . m(j)
+        b_mgm = tl.zeros([BLOCK_K], dtype=tl.float32)  # [j] m(j)^T (W^T W) m(j)
+        for m0 in range(0, M, BLOCK_M):
+            o_m = m0 + tl.arange(0, BLOCK_M)
+            m_m = o_m < M
+            b_m = _m_tile(gr_row, tgv_ptr, p_pred, o_m, m_k, M)
+            b_thw = tl.load(thw_ptr + p_cand[:, None] * M + o_m[None, :], mask=m_k[:, None] & m_m[None, :],
+                            other=0.0).to(tl.float32)
+            b_wm = tl.dot(b_m, tl.trans(b_thw), b_wm, input_precision="ieee")
+            b_u = tl.load(u_ptr + i_row * M + o_m, mask=m_m, other=0.0)
+            b_xm += tl.sum(b_m * b_u[None, :], axis=1)
+            b_gm = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)  # (m(j)^T Gram)[:, o_m]
+            for m1 in range(0, M, BLOCK_M):
+                o_m1 = m1 + tl.arange(0, BLOCK_M)
+                b_m1 = _m_tile(gr_row, tgv_ptr, p_pred, o_m1, m_k, M)
+                b_gw = tl.load(gram_ptr + o_m1[:, None] * M + o_m[None, :], mask=(o_m1 < M)[:, None] & m_m[None, :],
+                               other=0.0).to(tl.float32)
+                b_gm = tl.dot(b_m1, b_gw, b_gm, input_precision="ieee")
+            b_mgm += tl.sum(b_gm * b_m, axis=1)
+
+        b_n2 = (b_xx + 2.0 * b_r * b_xm + b_r * b_r * b_mgm) / H + eps
+        b_sc = (b_hx[None, :] + b_r * b_wm) / tl.sqrt(b_n2)[:, None]
+        tl.store(scores_ptr + i_row * K * K + o_k[:, None] * K + o_k[None, :], b_sc, mask=m_k[:, None] & m_k[None, :])
 
 
 def precompute_tail_tables(codebook, gate_pred, value_proj, write_proj, head, final_norm_weight, *,
@@ -196,7 +201,7 @@ def tail_tables_ref(x_last, rms, recv_codes, cand_ids, pred_ids, gate_recv, gate
     return (hx[:, :, None, :] + r[..., None, None] * wm) * torch.rsqrt(n2)[..., None]
 
 
-_USE_TRITON = torch.cuda.is_available()  # chosen once, at import
+_USE_TRITON = triton is not None and torch.cuda.is_available()  # chosen once, at import
 
 
 def tail_tables(x_last, rms, recv_codes, cand_ids, pred_ids, gate_recv, gate_bias, token_gate_value,
