@@ -91,9 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     train_draft = train_kinds.add_parser("draft", help="distil a DSpine drafter from a frozen target")
     train_draft.add_argument("--target", required=True, help="trained target directory")
     train_draft.add_argument("--out", required=True, help="output DSpine draft directory")
-    train_draft.add_argument("--steps", type=int, default=2200)
-    train_draft.add_argument("--seed", type=int, default=0)
+    # None -> DraftTrainConfig's default (the shipped drafter's recipe), so the two never drift apart.
+    train_draft.add_argument("--steps", type=int, default=None)
+    train_draft.add_argument("--seed", type=int, default=None)
     train_draft.add_argument("--max-files", type=int, default=None)
+    train_draft.add_argument("--num-sequences", type=int, default=None,
+                             help="target-greedy continuations to distil from")
+    train_draft.add_argument("--threads", type=int, default=None,
+                             help="torch threads (1 makes the run bit-reproducible on one machine)")
     return parser
 
 
@@ -106,8 +111,10 @@ def cmd_train(args) -> int:
         return 0
     from dspine.replica.train.draft import DraftTrainConfig, train_draft
 
-    train_draft(DraftTrainConfig(target_dir=args.target, out_dir=args.out, steps=args.steps, seed=args.seed,
-                                 max_files=args.max_files))
+    given = {"steps": args.steps, "seed": args.seed, "max_files": args.max_files,
+             "num_sequences": args.num_sequences, "threads": args.threads}
+    train_draft(DraftTrainConfig(target_dir=args.target, out_dir=args.out,
+                                 **{k: v for k, v in given.items() if v is not None}))
     return 0
 
 

@@ -167,8 +167,12 @@ class Engine:
             return events
 
     def has_unfinished(self) -> bool:
+        return self.num_unfinished() > 0
+
+    def num_unfinished(self) -> int:
+        """Requests admitted and not yet finished (read under the engine lock)."""
         with self._lock:
-            return self.scheduler.num_unfinished > 0
+            return self.scheduler.num_unfinished
 
     def _account(self, runner_output, events: list[RequestEvent]) -> None:
         self.stats.num_steps += 1
@@ -242,7 +246,7 @@ class Engine:
 
         next_index, num_done = 0, 0
         while num_done < len(prompts):
-            while next_index < len(prompts) and self.scheduler.num_unfinished < self.config.max_concurrency:
+            while next_index < len(prompts) and self.num_unfinished() < self.config.max_concurrency:
                 self.add_request(prompts[next_index], params_list[next_index], speculative, ids[next_index],
                                  sink=sink_for(ids[next_index]))
                 next_index += 1

@@ -213,7 +213,8 @@ class ModelRunner:
         from . import tail
 
         temperature, top_k, top_p = sampling.batch_params(params, device=self.device)
-        return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators)
+        return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators,
+                            with_confidence=self.config.verify_threshold > 0)
 
     def _verify_lengths(self, proposal) -> torch.Tensor:
         """[NB] int64: dynamic verification lengths (the whole block without a confidence)."""

@@ -179,7 +179,8 @@ def draw_chain_uniforms(generators: Sequence[torch.Generator | None] | None, tem
 @torch.no_grad()
 def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature: torch.Tensor,
             top_k: torch.Tensor, top_p: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None,
-            *, uniforms: torch.Tensor | None = None, fp8_retrieval: bool | None = None) -> Proposal:
+            *, uniforms: torch.Tensor | None = None, fp8_retrieval: bool | None = None,
+            with_confidence: bool = True) -> Proposal:
     """Run the tail for NB blocks.
 
     ``draft_out``: anything with ``hidden [NB, BS, H]`` (final-normed), ``x_last
@@ -189,7 +190,8 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
     ``top_k [NB]`` (0 = off), ``top_p [NB]`` (1 = off), e.g. from
     ``sampling.batch_params``; ``generators``: one per block (``None`` entries use
     the default RNG). ``uniforms [NB, BS-1]`` overrides the generators (tests,
-    or an engine that pre-draws all coins of a cycle).
+    or an engine that pre-draws all coins of a cycle). ``with_confidence=False`` skips
+    ``chain_confidence`` (an engine that verifies whole blocks never reads it).
     """
     hidden = draft_out.hidden
     nb, bs, h = hidden.shape
@@ -204,7 +206,8 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
         uniforms = draw_chain_uniforms(generators, temperature, bs - 1, dev)
     draft_ids, choice, q = tail_chain(scores, cand_ids, temperature, top_k.to(device=dev, dtype=torch.int64),
                                       top_p.to(device=dev, dtype=torch.float64), uniforms.to(dev))
-    return Proposal(draft_ids, q, cand_ids, choice, chain_confidence(scores, choice))
+    confidence = chain_confidence(scores, choice) if with_confidence else None
+    return Proposal(draft_ids, q, cand_ids, choice, confidence)
 
 
 def chain_confidence(scores: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:

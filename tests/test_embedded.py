@@ -32,16 +32,17 @@ def test_shipped_pair_uses_the_checkpoint_formats(engine):
 
 
 def test_greedy_speculation_is_lossless_on_the_bench_prompts(engine):
+    # `dspine bench engine`'s default setting: 8 held-out prompts of 64 tokens, 128 new tokens
     prompts = heldout_prompts(engine, num_prompts=8, prompt_len=64)
-    params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True)
     target_only = engine.generate_many(prompts, params, speculative=False)
     speculative = engine.generate_many(prompts, params, speculative=True)
     for a, b in zip(target_only, speculative):
         assert a.token_ids == b.token_ids
-    # a trained drafter, not a random one: it gets more than one token per cycle
+    # The shipped drafter's acceptance (issue 5 asks for >= 3.0; it measures 3.88 on x86-64).
     cycles = sum(r.stats.spec.num_cycles for r in speculative)
     accepted = sum(r.stats.spec.num_accepted_tokens for r in speculative)
-    assert accepted / cycles > 1.0
+    assert accepted / cycles >= 3.0
 
 
 def test_generate_text_reads_like_python(engine):

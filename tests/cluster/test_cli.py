@@ -81,3 +81,16 @@ def test_bench_engine_reports_a_ratio_measured_in_one_run(saved_pair, capsys):
 def test_missing_target_dir_is_a_clear_error(capsys, tmp_path):
     assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt", "x", "--no-spec"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_train_draft_flags_override_only_what_is_given(monkeypatch):
+    from dspine.replica.train import draft as draft_training
+
+    seen = []
+    monkeypatch.setattr(draft_training, "train_draft", lambda cfg: seen.append(cfg))
+    assert main(["train", "draft", "--target", "t", "--out", "o", "--num-sequences", "512", "--threads", "1"]) == 0
+    assert main(["train", "draft", "--target", "t", "--out", "o"]) == 0
+    given, defaults = seen
+    assert (given.num_sequences, given.threads, given.target_dir, given.out_dir) == (512, 1, "t", "o")
+    # Without flags the recipe is DraftTrainConfig's own: the CLI holds no second copy of it.
+    assert defaults == draft_training.DraftTrainConfig(target_dir="t", out_dir="o")

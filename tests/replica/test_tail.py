@@ -239,3 +239,15 @@ def test_propose_fills_confidence():
     prop = propose(out, build_tables(p), anchors, torch.zeros(NB), torch.zeros(NB, dtype=torch.int64), torch.ones(NB))
     assert prop.confidence.shape == (NB, BS - 1)
     assert ((prop.confidence >= 1.0 / K - 1e-6) & (prop.confidence <= 1.0)).all()
+
+
+def test_propose_without_confidence_drafts_the_same_block():
+    p = make_params()
+    out, anchors = make_draft_out(p)
+    tables = build_tables(p)
+    temperature, top_k, top_p = torch.full((NB,), 0.8), torch.zeros(NB, dtype=torch.int64), torch.ones(NB)
+    uniforms = torch.rand(NB, BS - 1, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    full = propose(out, tables, anchors, temperature, top_k, top_p, uniforms=uniforms)
+    lean = propose(out, tables, anchors, temperature, top_k, top_p, uniforms=uniforms, with_confidence=False)
+    assert lean.confidence is None and full.confidence is not None
+    assert torch.equal(lean.draft_ids, full.draft_ids) and torch.equal(lean.q, full.q)
