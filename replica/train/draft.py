@@ -15,7 +15,8 @@ included. The data recipe:
    lower id), so every token after the prompt is exactly the target's
    temperature-0 choice. The token sequences are cached on disk
    (``<out_dir>/distill_cache`` by default, keyed by the target weights'
-   hash and the data settings), so reruns skip generation.
+   hash and the data settings), so reruns skip generation, and a run with
+   more sequences generates only those a smaller cached run lacks.
 3. One stateless target forward over every sequence, computed once and kept
    in memory: the context features (the drafter's taps, bf16) and the
    target's greedy next token after every prefix, ``greedy[t]``.
@@ -76,6 +77,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..models.dspine import DSpineDrafter
@@ -212,18 +214,44 @@ def greedy_continue(target, prompts: torch.Tensor, total_len: int) -> torch.Tens
     return out
 
 
+def _cached_prefix(cache: Path, settings: str, count: int, gen_batch: int):
+    """The largest cache in ``cache``'s folder made with the same ``settings`` and fewer sequences.
+
+    Its rows are exactly the first rows of a larger run: prompts are one seeded stream and every
+    generation batch is decoded on its own, so a run of ``count`` sequences may start from it."""
+    best, best_count = None, 0
+    for path in cache.parent.glob(f"{cache.name.split('-')[0]}-*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        n = int(meta.get("count", 0))
+        if meta.get("settings") == settings and best_count < n < count and n % gen_batch == 0:
+            best, best_count = path, n
+    return best
+
+
 def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg: DraftTrainConfig, seed: int,
-                      cache: Path | None, log=print) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [count, seq_len] int64, prompt_len [count] int64)``, from the cache when it matches."""
+                      cache: Path | None, log=print, settings: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [count, seq_len] int64, prompt_len [count] int64)``, from the cache when it matches.
+
+    With ``settings`` (every data setting but the count, as a string) a missing cache is started
+    from the largest smaller cache with the same settings: only the remaining sequences are
+    generated, and the result equals a run from scratch."""
     lens = [cfg.prompt_lens[(i // cfg.gen_batch) % len(cfg.prompt_lens)] for i in range(count)]
     if cache is not None and cache.exists():
         data = load_file(str(cache))
         log(f"distillation data ({split}): {count} cached sequences from {cache}")
         return data["tokens"].long(), data["prompt_len"].long()
     prompts = sample_prompts(tokenizer, split, count, lens, seed, cfg.max_files)
+    rows, first = [], 0
+    prefix = _cached_prefix(cache, settings, count, cfg.gen_batch) if cache is not None and settings else None
+    if prefix is not None:
+        data = load_file(str(prefix))
+        rows, first = [data["tokens"].long()], data["tokens"].shape[0]
+        if data["prompt_len"].tolist() != lens[:first]:
+            raise ValueError(f"{prefix}: its prompt lengths do not match the settings it was saved with")
+        log(f"distillation data ({split}): the first {first} sequences from {prefix}")
     start = time.time()
-    rows = []
-    for b0 in range(0, count, cfg.gen_batch):
+    for b0 in range(first, count, cfg.gen_batch):
         batch = torch.tensor(prompts[b0 : b0 + cfg.gen_batch], dtype=torch.long)
         rows.append(greedy_continue(target, batch, cfg.seq_len))
         done = b0 + batch.shape[0]
@@ -231,7 +259,8 @@ def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg:
     tokens, prompt_len = torch.cat(rows), torch.tensor(lens, dtype=torch.long)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"tokens": tokens.int().contiguous(), "prompt_len": prompt_len.int()}, str(cache))
+        save_file({"tokens": tokens.int().contiguous(), "prompt_len": prompt_len.int()}, str(cache),
+                  metadata={"settings": settings or "", "count": str(count)})
     return tokens, prompt_len
 
 
@@ -453,11 +482,13 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
                          f"<= seq_len - block_size + 1 = {cfg.seq_len - args.block_size + 1} (labels are target output)")
 
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "distill_cache"
-    key = json.dumps([_target_fingerprint(target_dir), cfg.num_sequences, cfg.seq_len, list(cfg.prompt_lens),
+    fingerprint = _target_fingerprint(target_dir)
+    key = json.dumps([fingerprint, cfg.num_sequences, cfg.seq_len, list(cfg.prompt_lens),
                       cfg.gen_batch, cfg.seed, cfg.max_files])
+    settings = json.dumps([fingerprint, cfg.seq_len, list(cfg.prompt_lens), cfg.gen_batch, cfg.seed, cfg.max_files])
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
-                                           cache_dir / f"train-{tag}.safetensors", log)
+                                           cache_dir / f"train-{tag}.safetensors", log, settings)
     gen_seconds = time.time() - t0
     passed = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
     features, greedy = passed[:2]

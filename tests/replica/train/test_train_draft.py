@@ -173,3 +173,27 @@ def test_distil_with_soft_labels(target_dir, tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     with pytest.raises(ValueError, match="soft_label_weight"):
         train_draft(_config(target_dir, tmp_path / "bad", soft_label_weight=1.5), log=lambda *_: None)
+
+
+def test_a_larger_run_extends_a_smaller_cache_exactly(target_dir, tmp_path):
+    from dspine.replica.models.loader import load_target
+    from dspine.replica.tokenizer import Tokenizer
+    from dspine.replica.train.draft import distillation_data
+
+    target, tokenizer = load_target(target_dir).eval(), Tokenizer.from_dir(target_dir)
+    cfg = _config(target_dir, tmp_path)
+
+    def data(count, cache, settings, lines):
+        return distillation_data(target, tokenizer, "train", count, cfg, 0, cache, lines.append, settings)
+
+    scratch, _ = data(48, None, None, [])
+    small, _ = data(32, tmp_path / "c" / "train-a.safetensors", "S", [])
+    lines_other = []
+    data(48, tmp_path / "c" / "train-b.safetensors", "T", lines_other)  # other settings: from scratch
+    lines = []
+    extended, prompt_len = data(48, tmp_path / "c" / "train-c.safetensors", "S", lines)
+    assert any("first 32 sequences" in line for line in lines)
+    assert not any("first" in line for line in lines_other)
+    assert sum("generated" in line for line in lines) == 1  # one batch of 16, not three
+    assert torch.equal(small, scratch[:32]) and torch.equal(extended, scratch)
+    assert prompt_len.tolist() == [16] * 16 + [24] * 16 + [16] * 16
