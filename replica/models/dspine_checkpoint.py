@@ -56,7 +56,9 @@ def save_drafter(drafter: DSpineDrafter, path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_NAME).write_text(json.dumps(drafter.args.to_config(), indent=2) + "\n")
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt", "model_type": "dspine"})
+    # One metadata key: safetensors writes metadata from a hash map, so with two keys their order
+    # (and the file's bytes) changed from save to save. The model type lives in config.json.
+    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     return path
 
 
