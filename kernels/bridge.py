@@ -25,11 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-try:  # triton is optional on CPU-only installs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 
 class BridgeOut(NamedTuple):
@@ -163,13 +159,6 @@ def bridge_ref(x, anchor_ids, codebook, read_proj, gate_recv, gate_pred, value_p
     write = (r[:, 1:, None] * m) @ write_proj.to(f).t()  # [NB, BS-1, H]
     x_out = torch.cat([xf[:, :1], xf[:, 1:] + write], dim=1).to(x.dtype)
     return BridgeOut(x_out, c, r)
-
-
-def _resolve_use_triton() -> bool:
-    return triton is not None and torch.cuda.is_available()
-
-
-_USE_TRITON = _resolve_use_triton()  # chosen once, at import
 
 
 def bridge(x, anchor_ids, codebook, read_proj, gate_recv, gate_pred, value_proj, gate_bias,

@@ -29,11 +29,7 @@ import math
 
 import torch
 
-try:  # triton is optional on CPU-only installs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 
 if triton is not None:
@@ -219,13 +215,6 @@ def draft_attention_torch(q, block_k, block_v, pool_k, pool_v, context_slots, co
         q.transpose(1, 2).to(keys.dtype), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None],
         scale=scale, enable_gqa=Hq != Hkv)
     return out.transpose(1, 2).to(q.dtype)  # [NB, BS, Hq, hd]
-
-
-def _resolve_use_triton() -> bool:
-    return triton is not None and torch.cuda.is_available()
-
-
-_USE_TRITON = _resolve_use_triton()  # chosen once, at import
 
 
 def draft_attention(q, block_k, block_v, pool_k, pool_v, context_slots, context_lens,

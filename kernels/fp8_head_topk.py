@@ -33,11 +33,7 @@ every function here accepts either storage.
 from __future__ import annotations
 
 import torch
-try:  # triton is optional on CPU-only installs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 __all__ = [
     "fp8_head_topk",
@@ -254,9 +250,6 @@ def fp8_head_topk_ref(hidden, head_fp8, head_scale, head, num_retrieve: int, k: 
     ids = torch.arange(v, device=hidden.device).expand_as(approx)
     retrieved, _ = _topk_by_logit(approx, ids, r)
     return _rescore(hidden, head, retrieved, k)
-
-
-_USE_TRITON = triton is not None and torch.cuda.is_available()  # chosen once, at import
 
 
 def fp8_head_topk(hidden, head_fp8, head_scale, head, num_retrieve: int, k: int, **tiles):

@@ -23,11 +23,7 @@ from __future__ import annotations
 import bisect
 
 import torch
-try:  # triton is optional on CPU-only installs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 __all__ = ["tail_chain", "tail_chain_triton", "tail_chain_ref", "predecessor_slots"]
 
@@ -195,9 +191,6 @@ def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
     q = q_all.gather(2, pred[:, :, None, None].expand(nb, t, 1, k)).squeeze(2)  # [NB, T, K]
     draft_ids = torch.gather(cand_ids, 2, choice[..., None])[..., 0]
     return draft_ids, choice, q
-
-
-_USE_TRITON = triton is not None and torch.cuda.is_available()  # chosen once, at import
 
 
 def tail_chain(scores, cand_ids, temperature, top_k, top_p, uniforms):

@@ -28,11 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
-try:  # triton is optional on CPU-only installs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 __all__ = ["tail_tables", "tail_tables_triton", "tail_tables_ref", "precompute_tail_tables"]
 
@@ -199,9 +195,6 @@ def tail_tables_ref(x_last, rms, recv_codes, cand_ids, pred_ids, gate_recv, gate
     mgm = torch.einsum("ntjm,ntjm->ntj", msg @ write_gram.float(), msg)
     n2 = (xx[..., None] + 2.0 * r[..., None] * xm + r[..., None] ** 2 * mgm) / h + eps
     return (hx[:, :, None, :] + r[..., None, None] * wm) * torch.rsqrt(n2)[..., None]
-
-
-_USE_TRITON = triton is not None and torch.cuda.is_available()  # chosen once, at import
 
 
 def tail_tables(x_last, rms, recv_codes, cand_ids, pred_ids, gate_recv, gate_bias, token_gate_value,
