@@ -214,13 +214,13 @@ def greedy_continue(target, prompts: torch.Tensor, total_len: int) -> torch.Tens
     return out
 
 
-def _cached_prefix(cache: Path, settings: str, count: int, gen_batch: int):
-    """The largest cache in ``cache``'s folder made with the same ``settings`` and fewer sequences.
+def _cached_prefix(cache: Path, split: str, settings: str, count: int, gen_batch: int):
+    """The largest ``split`` cache in ``cache``'s folder made with the same ``settings`` and fewer sequences.
 
     Its rows are exactly the first rows of a larger run: prompts are one seeded stream and every
     generation batch is decoded on its own, so a run of ``count`` sequences may start from it."""
     best, best_count = None, 0
-    for path in cache.parent.glob(f"{cache.name.split('-')[0]}-*.safetensors"):
+    for path in cache.parent.glob(f"{split}-*.safetensors"):
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         n = int(meta.get("count", 0))
@@ -243,7 +243,7 @@ def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg:
         return data["tokens"].long(), data["prompt_len"].long()
     prompts = sample_prompts(tokenizer, split, count, lens, seed, cfg.max_files)
     rows, first = [], 0
-    prefix = _cached_prefix(cache, settings, count, cfg.gen_batch) if cache is not None and settings else None
+    prefix = _cached_prefix(cache, split, settings, count, cfg.gen_batch) if cache is not None and settings else None
     if prefix is not None:
         data = load_file(str(prefix))
         rows, first = [data["tokens"].long()], data["tokens"].shape[0]
@@ -268,9 +268,9 @@ def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg:
 def target_pass(target, tokens: torch.Tensor, taps: tuple[int, ...], chunk: int = 16,
                 dtype: torch.dtype = torch.bfloat16, soft_topk: int = 0):
     """One stateless target forward over every sequence (chunked) ->
-    ``(features [N, L, F, H] in dtype, greedy [N, L] int64)``: the taps of every position and the
-    target's greedy next token after every prefix (``greedy[:, t] = argmax p(. | x[..t])``).
-    With ``soft_topk`` a third item ``SoftLabels`` holds the target's top-k next-token distribution."""
+    ``(features [N, L, F, H] in dtype, greedy [N, L] int64, soft)``: the taps of every position, the
+    target's greedy next token after every prefix (``greedy[:, t] = argmax p(. | x[..t])``) and, with
+    ``soft_topk``, its top-k next-token distribution as ``SoftLabels`` (else None)."""
     N, L = tokens.shape
     feats = torch.empty(N, L, len(taps), target.args.hidden_size, dtype=dtype)
     greedy = torch.empty(N, L, dtype=torch.long)
@@ -283,7 +283,7 @@ def target_pass(target, tokens: torch.Tensor, taps: tuple[int, ...], chunk: int 
             top = out.logits.float().log_softmax(-1).topk(soft_topk, dim=-1)
             soft.ids[i : i + chunk] = top.indices.to(soft.ids.dtype)
             soft.logp[i : i + chunk] = top.values.to(soft.logp.dtype)
-    return (feats, greedy) if soft is None else (feats, greedy, soft)
+    return feats, greedy, soft
 
 
 @dataclass
@@ -482,17 +482,14 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
                          f"<= seq_len - block_size + 1 = {cfg.seq_len - args.block_size + 1} (labels are target output)")
 
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "distill_cache"
-    fingerprint = _target_fingerprint(target_dir)
-    key = json.dumps([fingerprint, cfg.num_sequences, cfg.seq_len, list(cfg.prompt_lens),
-                      cfg.gen_batch, cfg.seed, cfg.max_files])
-    settings = json.dumps([fingerprint, cfg.seq_len, list(cfg.prompt_lens), cfg.gen_batch, cfg.seed, cfg.max_files])
-    tag = hashlib.sha256(key.encode()).hexdigest()[:12]
+    # Every data setting but the count; the cache file's name adds the count.
+    settings = json.dumps([_target_fingerprint(target_dir), cfg.seq_len, list(cfg.prompt_lens), cfg.gen_batch,
+                           cfg.seed, cfg.max_files])
+    tag = hashlib.sha256(json.dumps([settings, cfg.num_sequences]).encode()).hexdigest()[:12]
     tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
                                            cache_dir / f"train-{tag}.safetensors", log, settings)
     gen_seconds = time.time() - t0
-    passed = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
-    features, greedy = passed[:2]
-    soft = passed[2] if cfg.soft_label_topk else None
+    features, greedy, soft = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
     on_path = (tokens[:, 1:] == greedy[:, :-1]).float().mean()
     log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
         f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens; {100 * on_path:.1f}% of all next "
@@ -561,7 +558,7 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
         ev_tag = f"{tag}-{cfg.eval_sequences}-{cfg.eval_prompt_len}-{ev_len}"
         ev_tokens, _ = distillation_data(target, tokenizer, "heldout", cfg.eval_sequences, ev_cfg, cfg.seed,
                                          cache_dir / f"heldout-{ev_tag}.safetensors", log)
-        ev_feats, ev_greedy = target_pass(target, ev_tokens, taps)
+        ev_feats, ev_greedy, _ = target_pass(target, ev_tokens, taps)
         ev = simulate_greedy_cycles(drafter, ev_feats, ev_tokens, ev_greedy, cfg.eval_prompt_len, cfg.eval_new_tokens)
         summary["heldout"] = ev
         log(f"held-out greedy speculative decoding replayed offline ({cfg.eval_sequences} prompts of "
