@@ -19,6 +19,8 @@ and ``request_id``. Unset keywords take the server's defaults.
 
 - ``timeout=`` (seconds) is the deadline of the whole call, retries included;
   the client's ``timeout`` is the default.
+- ``application=`` names the Ray Serve application to call (needed only when
+  the cluster runs more than one).
 - Unary calls (``generate``, ``tokenize``, ``detokenize``, ``info``) are retried
   on UNAVAILABLE with exponential backoff and jitter (:class:`RetryPolicy`).
   A stream is retried only if UNAVAILABLE arrives before its first message.
@@ -318,11 +320,14 @@ class _ClientBase:
     def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, tls_server_name: str | None = None,
                  timeout: float | None = None, retry: RetryPolicy = RetryPolicy(),
-                 max_message_bytes: int = 64 * 1024 * 1024, options: Sequence[tuple[str, object]] = ()):
+                 max_message_bytes: int = 64 * 1024 * 1024, options: Sequence[tuple[str, object]] = (),
+                 application: str | None = None):
         self.target = target
         self.timeout = timeout
         self.retry = retry
         self._auth = [("authorization", f"Bearer {token}")] if token else []
+        # Ray Serve routes by this metadata key once a cluster runs more than one application.
+        self._auth += [("application", application)] if application else []
         self._tls = tls or root_certificates is not None
         self._root_certificates = root_certificates
         self._options = [("grpc.max_receive_message_length", max_message_bytes),

@@ -7,6 +7,8 @@ message); :class:`InvalidArgument` and :class:`FailedPrecondition` also have
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 __all__ = [
@@ -84,14 +86,20 @@ _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, Resou
                                       DeadlineExceeded, Unavailable, Unauthenticated, Internal)}
 
 
-def _field(error: grpc.RpcError) -> str | None:
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]#]*): ")
+
+
+def _field(error: grpc.RpcError, details: str) -> str | None:
+    """The field the server named: trailing metadata, else the ``field: reason`` prefix of the
+    details (Ray Serve's proxy drops trailing metadata of a stream that fails)."""
     try:
         for key, value in error.trailing_metadata() or ():
             if key == FIELD_METADATA_KEY:
                 return value
     except Exception:  # noqa: BLE001 - a call object without metadata (e.g. a local failure)
-        return None
-    return None
+        pass
+    match = _FIELD_PREFIX.match(details)
+    return match.group(1) if match else None
 
 
 def from_rpc_error(error: grpc.RpcError) -> DSpineClientError:
@@ -100,5 +108,5 @@ def from_rpc_error(error: grpc.RpcError) -> DSpineClientError:
     cls = _BY_CODE.get(code)
     if cls is None:
         return DSpineClientError(details, code=code)
-    field = _field(error) if cls in (InvalidArgument, FailedPrecondition) else None
+    field = _field(error, details) if cls in (InvalidArgument, FailedPrecondition) else None
     return cls(details, field=field)

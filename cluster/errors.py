@@ -8,13 +8,18 @@ EngineFullError                        RESOURCE_EXHAUSTED    in flight / max_con
 NoDrafterError                         FAILED_PRECONDITION   ``speculative: ...``
 RequestCancelledError                  CANCELLED
 TimeoutError (a server-side deadline)  DEADLINE_EXCEEDED
-EngineStoppedError                     UNAVAILABLE           retry on another replica
+EngineStoppedError, ReplicaLostError  UNAVAILABLE           retry on another replica
+ClusterBusyError                       RESOURCE_EXHAUSTED    every slot and queue place taken
 RequestFailedError, anything else      INTERNAL              no internals leak out
 =====================================  ====================  ===========================
 
 ``NoDrafterError`` is also a ``ValueError``, so the order of the table matters.
 The offending field also travels in the trailing metadata key ``dspine-field``
 for clients that do not want to parse details.
+
+Two ways out, one table: :func:`abort` for a ``grpc.aio`` servicer context
+(the standalone server) and :func:`set_status` for Ray Serve's
+``RayServegRPCContext`` (the cluster ingress).
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ from dspine.replica.errors import (
 
 logger = logging.getLogger(__name__)
 
+
+class ClusterBusyError(Exception):
+    """Every replica slot and every queue place of the cluster is taken (-> RESOURCE_EXHAUSTED)."""
+
+
+class ReplicaLostError(Exception):
+    """The replica serving a request died; the request cannot be resumed (-> UNAVAILABLE)."""
+
+
 FIELD_METADATA_KEY = "dspine-field"
 
 # Checked in order: subclasses before their bases.
@@ -43,6 +57,8 @@ _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EngineFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestCancelledError, grpc.StatusCode.CANCELLED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+    (ReplicaLostError, grpc.StatusCode.UNAVAILABLE),
+    (ClusterBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -73,10 +89,28 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-async def abort(context, exc: BaseException):
-    """Abort the RPC of ``context`` (a ``grpc.aio.ServicerContext``) with the status of ``exc``."""
+def _status_and_trailers(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     code, details = status_for(exc)
     named = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
     field = error_field(exc) if named else None
     trailing = ((FIELD_METADATA_KEY, field),) if field and field.isascii() and field.isprintable() else ()
+    return code, details, trailing
+
+
+async def abort(context, exc: BaseException):
+    """Abort the RPC of ``context`` (a ``grpc.aio.ServicerContext``) with the status of ``exc``."""
+    code, details, trailing = _status_and_trailers(exc)
     await context.abort(code, details, trailing_metadata=trailing)
+
+
+def set_status(grpc_context, exc: BaseException) -> grpc.StatusCode:
+    """Set the status of ``exc`` on a Ray Serve ``RayServegRPCContext``; the handler then returns.
+
+    Serve keeps a code set by the handler (a plain exception would become
+    INTERNAL with a Ray traceback in the details)."""
+    code, details, trailing = _status_and_trailers(exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    if trailing:
+        grpc_context.set_trailing_metadata(list(trailing))
+    return code

@@ -6,7 +6,10 @@
 protoc writes ``from dspine.v1 import dspine_pb2`` into the gRPC stubs, an
 import that only works with ``protos/`` itself on ``sys.path``. The stubs
 live inside the package ``dspine.protos.dspine.v1``, so the import is
-rewritten to a relative one (``from . import dspine_pb2``).
+rewritten to a relative one (``from . import dspine_pb2``). Likewise the
+module name protoc gives the message classes (``dspine.v1.dspine_pb2``) is
+rewritten to the importable one, so that messages pickle by reference
+(Ray Serve pickles them between its proxy and the replicas).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 PROTO_ROOT = Path(__file__).resolve().parent  # holds dspine/v1/*.proto
 PROTO_FILES = ("dspine/v1/dspine.proto",)
 _ABSOLUTE_IMPORT = re.compile(r"^from dspine\.v1 import (\w+_pb2) as (\w+)$", re.MULTILINE)
+_MODULE_NAME = re.compile(r"'dspine\.v1\.(\w+_pb2)'")
+_PACKAGE = "dspine.protos.dspine.v1"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -42,7 +47,8 @@ def generate(out_dir: Path) -> list[Path]:
         stem = out_dir / proto[: -len(".proto")]
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
             path = stem.parent / (stem.name + suffix)
-            path.write_text(_ABSOLUTE_IMPORT.sub(r"from . import \1 as \2", path.read_text()))
+            text = _ABSOLUTE_IMPORT.sub(r"from . import \1 as \2", path.read_text())
+            path.write_text(_MODULE_NAME.sub(rf"'{_PACKAGE}.\1'", text))
             written.append(path)
     return written
 

@@ -8,7 +8,7 @@ Nothing here imports Ray, gRPC or OpenTelemetry; the engine is a plain library::
 """
 
 from .config import EngineConfig
-from .engine import Engine
+from .engine import Engine, EngineLoad
 from .errors import (
     DSpineError,
     EngineFullError,
@@ -24,6 +24,7 @@ from .types import GenerationResult, RequestStats, SpecDecodingStats, StreamChun
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineLoad",
     "SamplingParams",
     "GenerationResult",
     "StreamChunk",

@@ -33,6 +33,9 @@ class EngineConfig:
     # confidences of rows 1..t (each row's top candidate probability given the chosen previous
     # token, never its own draw) is >= this (0: always the whole block). Lossless either way.
     verify_threshold: float = 0.05
+    # torch intra-op threads of the engine's device thread; None -> those of the thread that
+    # builds the engine. A CPU replica sharing a machine with others sets it to its CPU share.
+    num_threads: int | None = None
 
     def __post_init__(self):
         if self.max_concurrency < 1:
@@ -47,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"retrieval: must be 'auto', 'exact', 'fp8' or 'bf16', got {self.retrieval!r}")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold: must be in [0, 1), got {self.verify_threshold}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
 

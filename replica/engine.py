@@ -3,18 +3,23 @@
 ``step()`` is ``schedule -> run -> update_from_output`` and nothing else.
 Requests reach callers through sinks (a queue per request), so the same step
 serves the synchronous ``generate``, the iterator ``stream`` and the asyncio
-``generate_stream``. Steps run inline when nobody runs the background loop,
-or on the loop's thread (``start()``) when a server drives the engine.
+``generate_stream``. Steps run when a caller asks (inline use) or from the
+background loop (``start()``) when a server drives the engine; either way
+every parallel torch op runs on the engine's one :class:`DeviceThread`, the
+thread that also built its tensors (see that module for why).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
@@ -22,6 +27,7 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from .config import EngineConfig
+from .device_thread import DeviceThread
 from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
 from .model_runner import ModelRunner
 from .request import Request
@@ -44,27 +50,58 @@ class EngineStats:
     stage_times: StageTimes = field(default_factory=StageTimes)
     spec: SpecDecodingStats | None = None
     peak_draft_pool_used: int = 0
+    peak_in_flight: int = 0  # high-water mark of admitted, unfinished requests
+    recent_accepted_len: float = 0.0  # accepted draft tokens per cycle, exponentially decayed
+    # time.monotonic() at the end of the latest step, or at the admission that ended an idle
+    # spell: a health check measures a stall from here.
+    last_progress: float = 0.0
+
+
+# Weight of the newest cycle in ``EngineStats.recent_accepted_len``.
+_ACCEPTANCE_DECAY = 0.05
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of how busy the engine is: what a router and a health check read."""
+
+    in_flight: int
+    max_concurrency: int
+    peak_in_flight: int
+    free_draft_slots: int  # 0 without a drafter
+    draft_slots: int  # capacity of the draft KV pool (0 without a drafter)
+    live_target_states: int
+    recent_accepted_len: float
+    num_steps: int
+    num_finished: int
+    seconds_since_progress: float | None  # since the last step or idle-ending admission; None before any
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_concurrency - self.in_flight
 
 
 class Engine:
     """Target-plus-DSpine engine for one device. Thread-safe; at most ``max_concurrency`` requests."""
 
-    def __init__(self, target, drafter=None, tokenizer=None, config: EngineConfig = EngineConfig()):
+    def __init__(self, target, drafter=None, tokenizer=None, config: EngineConfig = EngineConfig(),
+                 device_thread: DeviceThread | None = None):
         self.config = config
+        self._device_thread = device_thread or DeviceThread(num_threads=config.num_threads)
         self.device = config.torch_device
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len or target.args.max_position_embeddings
         self.block_size = drafter.args.block_size if drafter is not None else 0
-        draft_pool, tail_tables = self._build_draft_side()
+        draft_pool, tail_tables = self._device_thread.call(self._build_draft_side)
         self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
         self.scheduler = FcfsScheduler(config.max_concurrency)
         self.stats = EngineStats(spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
         self._lock = threading.RLock()
         self._sinks: dict[str, Callable[[StreamChunk], None]] = {}
         self._work = threading.Condition(self._lock)
-        self._loop_thread: threading.Thread | None = None
+        self._loop: Future | None = None  # the background loop, running on the device thread
         self._stopping = False
 
     # ------------------------------------------------------------ building
@@ -75,15 +112,20 @@ class Engine:
         from .models.loader import load_target
         from .tokenizer import Tokenizer
 
-        target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
-        tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
-        drafter = None
-        if draft_dir is not None:
-            from .models.dspine_checkpoint import load_drafter
+        def load():
+            target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
+            drafter = None
+            if draft_dir is not None:
+                from .models.dspine_checkpoint import load_drafter
 
-            drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
-                                   device=config.torch_device, dtype=config.torch_draft_dtype)
-        return cls(target, drafter, tokenizer, config)
+                drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
+                                       device=config.torch_device, dtype=config.torch_draft_dtype)
+            return target, drafter
+
+        device_thread = DeviceThread(num_threads=config.num_threads)
+        target, drafter = device_thread.call(load)
+        tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
+        return cls(target, drafter, tokenizer, config, device_thread)
 
     def _build_draft_side(self):
         if self.drafter is None:
@@ -120,7 +162,10 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("engine is shutting down")
+            if self.scheduler.num_unfinished == 0:
+                self.stats.last_progress = time.monotonic()
             self.scheduler.add_request(request)
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.scheduler.num_unfinished)
             if sink is not None:
                 self._sinks[request_id] = sink
             self._work.notify_all()
@@ -156,6 +201,9 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestEvent]:
         """One engine step over every admitted request: schedule -> run -> update_from_output."""
+        return self._device_thread.call(self._step)
+
+    def _step(self) -> list[RequestEvent]:
         with self._lock:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
@@ -164,6 +212,7 @@ class Engine:
             events = self.scheduler.update_from_output(scheduler_output, runner_output)
             self._account(runner_output, events)
             self._deliver(events)
+            self.stats.last_progress = time.monotonic()
             return events
 
     def has_unfinished(self) -> bool:
@@ -181,6 +230,7 @@ class Engine:
         if self.stats.spec is not None:
             for request_id, accepted in runner_output.accepted_len.items():
                 self.stats.spec.observe_draft(runner_output.num_verified.get(request_id, self.block_size - 1), accepted)
+                self.stats.recent_accepted_len += _ACCEPTANCE_DECAY * (accepted - self.stats.recent_accepted_len)
 
     def _deliver(self, events: list[RequestEvent]) -> None:
         for event in events:
@@ -214,7 +264,7 @@ class Engine:
         finished = False
         try:
             while not finished:
-                if self._loop_thread is None:
+                if self._loop is None:
                     while chunks.empty():
                         self.step()
                 chunk = chunks.get()
@@ -250,7 +300,7 @@ class Engine:
                 self.add_request(prompts[next_index], params_list[next_index], speculative, ids[next_index],
                                  sink=sink_for(ids[next_index]))
                 next_index += 1
-            if self._loop_thread is None:
+            if self._loop is None:
                 self.step()
             else:  # the loop thread steps: block until it finishes one of ours
                 done.get()
@@ -292,13 +342,12 @@ class Engine:
                 self.cancel(request_id)
 
     def start(self) -> None:
-        """Start the background loop thread that steps while requests are in flight."""
+        """Start the background loop (on the device thread) that steps while requests are in flight."""
         with self._lock:
-            if self._loop_thread is not None:
+            if self._loop is not None:
                 return
             self._stopping = False
-            self._loop_thread = threading.Thread(target=self._run_loop, name="dspine-engine", daemon=True)
-            self._loop_thread.start()
+            self._loop = self._device_thread.submit(self._run_loop)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Refuse new requests; finish (drain) or cancel the in-flight ones; stop the loop."""
@@ -308,16 +357,19 @@ class Engine:
                 self._deliver(self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_CANCELLED))
             self._work.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout
-        thread = self._loop_thread
-        if thread is None:
+        loop = self._loop
+        if loop is None:
             while self.has_unfinished() and (deadline is None or time.monotonic() < deadline):
                 self.step()
         else:
-            thread.join(timeout)
+            with contextlib.suppress(FutureTimeoutError):
+                loop.result(timeout)
         with self._lock:
             self._deliver(self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_CANCELLED))
+        if loop is None or loop.done():
             self.step()  # frees the state of everything finished
-            self._loop_thread = None
+        with self._lock:
+            self._loop = None
 
     def _run_loop(self) -> None:
         while True:
@@ -351,6 +403,38 @@ class Engine:
         return self.generate(self.encode(prompt), params, speculative)
 
     # --------------------------------------------------------------- state
+    def load(self) -> EngineLoad:
+        """How busy the engine is now (cheap: no device work)."""
+        with self._lock:
+            pool = self.runner.draft_pool
+            stats = self.stats
+            return EngineLoad(
+                in_flight=self.scheduler.num_unfinished,
+                max_concurrency=self.config.max_concurrency,
+                peak_in_flight=stats.peak_in_flight,
+                free_draft_slots=pool.num_free if pool is not None else 0,
+                draft_slots=pool.capacity if pool is not None else 0,
+                live_target_states=self.runner.num_live_states,
+                recent_accepted_len=stats.recent_accepted_len,
+                num_steps=stats.num_steps,
+                num_finished=stats.num_finished,
+                seconds_since_progress=time.monotonic() - stats.last_progress if stats.last_progress else None,
+            )
+
+    def check_health(self, stall_s: float = 60.0) -> None:
+        """Raise ``RuntimeError`` when the engine cannot serve: its device thread or loop died,
+        or requests are in flight and no step has finished for ``stall_s`` seconds."""
+        if not self._device_thread.is_alive:
+            raise RuntimeError("engine device thread is not running")
+        loop = self._loop
+        if loop is not None and loop.done():
+            raise RuntimeError(f"engine loop exited: {loop.exception() or 'returned'}")
+        load = self.load()
+        stalled_s = load.seconds_since_progress
+        if load.in_flight and stalled_s is not None and stalled_s > stall_s:
+            raise RuntimeError(f"engine stalled: {load.in_flight} requests in flight, "
+                               f"no step finished for {stalled_s:.0f}s")
+
     def num_live_states(self) -> dict[str, int]:
         """Live target states and draft slots (zero when idle: the leak check)."""
         with self._lock:

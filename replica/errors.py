@@ -17,6 +17,10 @@ class InvalidRequestError(DSpineError, ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with both arguments
+        return type(self), (self.field, self.message)
 
 
 class EngineFullError(DSpineError):
@@ -28,6 +32,9 @@ class EngineFullError(DSpineError):
         )
         self.in_flight = in_flight
         self.max_concurrency = max_concurrency
+
+    def __reduce__(self):
+        return type(self), (self.in_flight, self.max_concurrency)
 
 
 class NoDrafterError(DSpineError, ValueError):
