@@ -107,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--concurrency", type=int, default=1)
     bench_engine.add_argument("--repeats", type=int, default=3, help="paired target-only / speculative runs")
     bench_engine.add_argument("--json", action="store_true")
+    bench_cluster = bench_kinds.add_parser("cluster", help="the serving path (standalone server, Ray cluster with "
+                                                           "1 and 2 replicas) vs the engine inline")
+    bench_cluster.add_argument("--num-prompts", type=int, default=8)
+    bench_cluster.add_argument("--prompt-len", type=int, default=64)
+    bench_cluster.add_argument("--new-tokens", type=int, default=96)
+    bench_cluster.add_argument("--temperature", type=float, default=0.0)
+    bench_cluster.add_argument("--seed", type=int, default=0)
+    bench_cluster.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every phase")
+    bench_cluster.add_argument("--concurrency", type=int, default=16, help="streams in flight in the load phase")
+    bench_cluster.add_argument("--requests", type=int, default=48, help="requests of the load phase")
+    bench_cluster.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    bench_cluster.add_argument("--json", action="store_true")
     train = commands.add_parser("train", help="train the embedded pair from scratch (CPU-friendly, seeded)")
     train_kinds = train.add_subparsers(dest="train", required=True)
     train_target = train_kinds.add_parser("target", help="tokenizer + tiny hybrid target on the stdlib corpus")
@@ -325,6 +337,14 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench == "cluster":
+        from .bench import bench_cluster, format_report
+
+        result = bench_cluster(num_prompts=args.num_prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                               temperature=args.temperature, seed=args.seed, rounds=args.rounds,
+                               concurrency=args.concurrency, num_requests=args.requests, threads=args.threads)
+        print(json.dumps(result, indent=2) if args.json else format_report(result))
+        return 0
     from dspine.replica import bench
 
     from .embedded import resolve_model_dirs

@@ -83,6 +83,7 @@ class DSpineIngress:
                 status = await asyncio.to_thread(serve.status)
                 deployment = status.applications[app_name].deployments[ENGINE_DEPLOYMENT]
                 self.live_engine_replicas = int(deployment.replica_states.get("RUNNING", 0))
+                self.admission.fill()  # more replicas: hand their slots to waiting requests
             except Exception:  # noqa: BLE001 - keep the last count; the controller may be restarting
                 logger.debug("could not read the engine replica count", exc_info=True)
             await asyncio.sleep(period_s)
@@ -92,7 +93,7 @@ class DSpineIngress:
         (Serve serializes whatever is returned, and keeps the status set here)."""
         self._watch_replicas()
         try:
-            with self.admission.admit():
+            async with self.admission.admit():
                 return await self._forward_unary(method, request, grpc_context, response_type)
         except ClusterBusyError as e:
             set_status(grpc_context, e)
@@ -124,7 +125,7 @@ class DSpineIngress:
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
         self._watch_replicas()
         try:
-            with self.admission.admit():
+            async with self.admission.admit():
                 async with contextlib.aclosing(self._forward_stream(request, grpc_context)) as messages:
                     async for message in messages:
                         yield message

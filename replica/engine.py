@@ -404,22 +404,22 @@ class Engine:
 
     # --------------------------------------------------------------- state
     def load(self) -> EngineLoad:
-        """How busy the engine is now (cheap: no device work)."""
-        with self._lock:
-            pool = self.runner.draft_pool
-            stats = self.stats
-            return EngineLoad(
-                in_flight=self.scheduler.num_unfinished,
-                max_concurrency=self.config.max_concurrency,
-                peak_in_flight=stats.peak_in_flight,
-                free_draft_slots=pool.num_free if pool is not None else 0,
-                draft_slots=pool.capacity if pool is not None else 0,
-                live_target_states=self.runner.num_live_states,
-                recent_accepted_len=stats.recent_accepted_len,
-                num_steps=stats.num_steps,
-                num_finished=stats.num_finished,
-                seconds_since_progress=time.monotonic() - stats.last_progress if stats.last_progress else None,
-            )
+        """How busy the engine is now. Lock-free (plain reads of counters), so a router or health
+        probe never waits for a step to end; the fields may be one step apart."""
+        pool = self.runner.draft_pool
+        stats = self.stats
+        return EngineLoad(
+            in_flight=self.scheduler.num_unfinished,
+            max_concurrency=self.config.max_concurrency,
+            peak_in_flight=stats.peak_in_flight,
+            free_draft_slots=pool.num_free if pool is not None else 0,
+            draft_slots=pool.capacity if pool is not None else 0,
+            live_target_states=self.runner.num_live_states,
+            recent_accepted_len=stats.recent_accepted_len,
+            num_steps=stats.num_steps,
+            num_finished=stats.num_finished,
+            seconds_since_progress=time.monotonic() - stats.last_progress if stats.last_progress else None,
+        )
 
     def check_health(self, stall_s: float = 60.0) -> None:
         """Raise ``RuntimeError`` when the engine cannot serve: its device thread or loop died,
