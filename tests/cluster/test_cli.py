@@ -94,3 +94,30 @@ def test_train_draft_flags_override_only_what_is_given(monkeypatch):
     assert (given.num_sequences, given.threads, given.target_dir, given.out_dir) == (512, 1, "t", "o")
     # Without flags the recipe is DraftTrainConfig's own: the CLI holds no second copy of it.
     assert defaults == draft_training.DraftTrainConfig(target_dir="t", out_dir="o")
+
+
+def test_serve_flags_build_the_cluster_config_over_a_config_file(tmp_path):
+    import yaml
+
+    from dspine.cluster.cli import build_parser, cluster_config_from_args
+    from dspine.cluster.serve_config import SHIPPED_CONFIG
+
+    doc = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    doc["applications"][0]["args"]["replicas"]["max_queued_requests"] = 3
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    args = build_parser().parse_args(["serve", "--config", str(path), "--replicas", "3", "--max-concurrency", "4"])
+    config = cluster_config_from_args(args)
+    assert (config.replicas.num_replicas, config.replicas.max_queued_requests) == (3, 3)  # flag, then file
+    assert config.engine.max_concurrency == 4
+    assert config.engine_deployment_options()["max_ongoing_requests"] == 4
+    defaults = cluster_config_from_args(build_parser().parse_args(["serve"]))
+    assert (defaults.grpc_port, defaults.replicas.num_replicas, defaults.engine.max_concurrency) == (9000, 1, 8)
+
+
+def test_serve_cluster_refuses_standalone_only_flags(capsys):
+    from dspine.cluster.cli import main
+
+    assert main(["serve", "--auth-token", "x"]) == 2
+    assert "terminate them in front of the cluster" in capsys.readouterr().err
+    assert main(["serve", "--port", "0"]) == 2

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from dspine.cluster.cli import main
 from dspine.cluster.client import DSpineClient
 from dspine.replica.models.loader import save_target
@@ -43,3 +45,33 @@ def test_serve_standalone_and_generate_via_server(tmp_path, tokenizer_dir, capsy
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(30) == 0, proc.stderr.read()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dspine_serve_starts_the_cluster_and_status_reads_it():
+    from dspine_testing.ray_cluster import free_port
+
+    grpc_port, http_port = free_port(), free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dspine.cluster.cli", "serve", "--replicas", "2", "--port", str(grpc_port),
+               "--http-port", str(http_port), "--max-queued", "4"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) as proc:
+        try:
+            line = proc.stdout.readline()
+            assert f"cluster serving dspine.v1 on 127.0.0.1:{grpc_port}" in line, line
+            hint = proc.stdout.readline()
+            assert f"dspine generate --server 127.0.0.1:{grpc_port}" in hint, hint
+            with DSpineClient(f"127.0.0.1:{grpc_port}", timeout=60) as client:
+                info = client.info()
+                assert (info.max_concurrency, info.has_drafter) == (8, True)
+                assert len(client.generate("def f():", max_new_tokens=6).token_ids) == 6
+            status = subprocess.run([sys.executable, "-m", "dspine.cluster.cli", "status", "--json"],
+                                    capture_output=True, text=True, timeout=120, env=env)
+            assert status.returncode == 0, status.stderr[-2000:]
+            report = json.loads(status.stdout)
+            assert report["status"] == "RUNNING" and len(report["replicas"]) == 2
+            assert all(r["healthy"] and r["max_concurrency"] == 8 for r in report["replicas"])
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0
