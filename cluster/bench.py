@@ -331,9 +331,11 @@ def format_report(result: dict) -> str:
     lines.append(f"throughput, {s['requests']} streaming requests, {s['concurrency']} in flight (median of rounds):")
     for name, reports in result["throughput"].items():
         last = reports[-1]
+        # Inline generate_many has no per-chunk clock: no inter-token latency for the engine.
+        itl = f"{last['itl_p50_ms']}/{last['itl_p99_ms']} ms" if name != "engine" else "-"
         lines.append(f"  {name:<10} {result['throughput_tokens_per_s'][name]:8.1f} tok/s   TTFT p50/p99 "
                      f"{last['ttft_p50_s'] * 1000:.0f}/{last['ttft_p99_s'] * 1000:.0f} ms   ITL p50/p99 "
-                     f"{last['itl_p50_ms']}/{last['itl_p99_ms']} ms   errors {last['errors'] or 'none'}")
+                     f"{itl}   errors {last['errors'] or 'none'}")
     lines.append(f"  1-replica cluster / engine: {result['throughput_ratio_cluster1_vs_engine']:.3f}x")
     lines.append(f"  2 replicas / 1 replica:     {result['throughput_ratio_2_vs_1_replicas']:.3f}x  "
                  f"(per round {result['throughput_ratio_2_vs_1_per_round']})")
