@@ -28,8 +28,11 @@ and ``request_id``. Unset keywords take the server's defaults.
   with ``.field``, ``ResourceExhausted``, ``DeadlineExceeded``, ...).
 - Cancelling a stream (``stream.cancel()``, leaving a ``with`` block, or
   cancelling the task of an async one) cancels the request on the server.
-- When OpenTelemetry is installed and a span is active, its W3C trace context
-  (``traceparent``) is sent in the call metadata.
+- With OpenTelemetry's SDK tracer provider installed, each generate call is a
+  CLIENT span (``dspine.v1.DSpine/Generate[Stream]``, a child of the active
+  span) whose W3C context (``traceparent``) travels in the call metadata, so
+  the server's spans join the caller's trace; the stream's span ends with it
+  (finished, failed or cancelled). ``cancel()`` works the same with tracing on.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class SpeculationStats:
 
 @dataclass(frozen=True)
 class StageTimings:
-    """Seconds spent by the request in each engine stage."""
+    """Seconds of the request's own stage intervals (the whole wall time of each stage it took part in)."""
 
     prefill: float = 0.0
     draft: float = 0.0
@@ -119,6 +122,8 @@ class StageTimings:
     commit: float = 0.0
     target_step: float = 0.0
     time_to_first_token: float = 0.0
+    other: float = 0.0  # the rest of its steps: other requests' stages, bookkeeping
+    queue: float = 0.0  # admitted -> its first step
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,8 @@ def _speculation(m: pb.SpeculationStats) -> SpeculationStats:
 
 
 def _timings(m: pb.StageTimings) -> StageTimings:
-    return StageTimings(m.prefill, m.draft, m.tail, m.verify, m.commit, m.target_step, m.time_to_first_token)
+    return StageTimings(m.prefill, m.draft, m.tail, m.verify, m.commit, m.target_step, m.time_to_first_token,
+                        m.other, m.queue)
 
 
 def _result(m: pb.GenerateResponse) -> GenerateResult:
@@ -289,19 +295,54 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-def _trace_metadata() -> list[tuple[str, str]]:
-    """W3C trace context of the active span (empty without OpenTelemetry or a span)."""
+def _trace_metadata(span: "_ClientSpan | None" = None) -> list[tuple[str, str]]:
+    """W3C trace context (``traceparent``, ``tracestate``) of the call's span, else of the active
+    span; empty without OpenTelemetry or a span."""
     if _otel_propagate is None:
         return []
     try:
-        if not _otel_trace.get_current_span().get_span_context().is_valid:
+        ctx = _otel_trace.set_span_in_context(span.span) if span is not None and span.span is not None else None
+        if ctx is None and not _otel_trace.get_current_span().get_span_context().is_valid:
             return []
         carrier: dict[str, str] = {}
-        _otel_propagate.inject(carrier)
+        _otel_propagate.inject(carrier, context=ctx)
         return [(key.lower(), value) for key, value in carrier.items()]
     except Exception:  # noqa: BLE001 - tracing never breaks a call
         logger.debug("trace context injection failed", exc_info=True)
         return []
+
+
+class _ClientSpan:
+    """The SDK's span of one call (CLIENT kind), when OpenTelemetry's SDK provider is installed;
+    its W3C context travels in the call's metadata. A no-op without tracing."""
+
+    def __init__(self, rpc: str | None):
+        self.span = None
+        if _otel_trace is None or rpc is None:
+            return
+        try:
+            span = _otel_trace.get_tracer("dspine.client").start_span(
+                f"dspine.v1.DSpine/{rpc}", kind=_otel_trace.SpanKind.CLIENT,
+                attributes={"rpc.system": "grpc", "rpc.method": rpc})
+            if span.get_span_context().is_valid:
+                self.span = span
+        except Exception:  # noqa: BLE001 - tracing never breaks a call
+            logger.debug("client span failed", exc_info=True)
+
+    def end(self, error: BaseException | None = None) -> None:
+        if self.span is None:
+            return
+        try:
+            if error is not None:
+                code = getattr(error, "code", None)
+                self.span.set_attribute("rpc.grpc.status_code", getattr(code, "name", str(code)))
+                self.span.set_status(_otel_trace.Status(_otel_trace.StatusCode.ERROR, str(error)[:500]))
+            else:
+                self.span.set_attribute("rpc.grpc.status_code", "OK")
+            self.span.end()
+        except Exception:  # noqa: BLE001
+            logger.debug("client span end failed", exc_info=True)
+        self.span = None
 
 
 class _Deadline:
@@ -335,8 +376,9 @@ class _ClientBase:
         if tls_server_name:
             self._options.append(("grpc.ssl_target_name_override", tls_server_name))
 
-    def _metadata(self, extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
-        return [*self._auth, *_trace_metadata(), *extra]
+    def _metadata(self, extra: Sequence[tuple[str, str]] = (), span: _ClientSpan | None = None
+                  ) -> list[tuple[str, str]]:
+        return [*self._auth, *_trace_metadata(span), *extra]
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -350,8 +392,9 @@ class _ClientBase:
 class GenerateStream:
     """Iterator of :class:`GenerateChunk`; ``cancel()`` (or leaving ``with``) cancels the request."""
 
-    def __init__(self, start, deadline: _Deadline, retry: RetryPolicy):
+    def __init__(self, start, deadline: _Deadline, retry: RetryPolicy, span: _ClientSpan | None = None):
         self._start, self._deadline, self._retry = start, deadline, retry
+        self._span = span or _ClientSpan(None)
         self._received = False
         self._attempt = 1
         self._call = start(deadline.remaining())
@@ -363,9 +406,14 @@ class GenerateStream:
         while True:
             try:
                 return self._next()
+            except StopIteration:
+                self._span.end()
+                raise
             except grpc.RpcError as e:
                 if self._received or not self._should_retry(e):
-                    raise from_rpc_error(e) from None
+                    error = from_rpc_error(e)
+                    self._span.end(error)
+                    raise error from None
                 time.sleep(self._retry.delay(self._attempt - 1))
                 self._call = self._start(self._deadline.remaining())
 
@@ -384,6 +432,7 @@ class GenerateStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._span.end(Cancelled("the stream was cancelled by this client"))
 
     close = cancel
 
@@ -423,7 +472,7 @@ class DSpineClient(_ClientBase):
         except grpc.FutureTimeoutError:
             raise Unavailable(f"could not connect to {self.target} within {timeout}s") from None
 
-    def _unary(self, method, request, timeout: float | None, metadata=()):
+    def _unary(self, method, request, timeout: float | None, metadata=(), span: _ClientSpan | None = None):
         deadline = _Deadline(self._timeout(timeout))
         attempt = 1
         while True:
@@ -431,7 +480,7 @@ class DSpineClient(_ClientBase):
             if remaining is not None and remaining <= 0:
                 raise self._expired()
             try:
-                return method(request, timeout=remaining, metadata=self._metadata(metadata))
+                return method(request, timeout=remaining, metadata=self._metadata(metadata, span))
             except grpc.RpcError as e:
                 if e.code() not in self.retry.retry_codes or attempt >= self.retry.max_attempts:
                     raise from_rpc_error(e) from None
@@ -446,15 +495,23 @@ class DSpineClient(_ClientBase):
                  metadata: Sequence[tuple[str, str]] = (), **kwargs) -> GenerateResult:
         """Generate to completion (see the module docstring for the keywords)."""
         request = build_generate_request(prompt, **kwargs)
-        return _result(self._unary(self._stub.Generate, request, timeout, metadata))
+        span = _ClientSpan("Generate")
+        try:
+            result = _result(self._unary(self._stub.Generate, request, timeout, metadata, span))
+        except BaseException as e:
+            span.end(e)
+            raise
+        span.end()
+        return result
 
     def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None,
                         metadata: Sequence[tuple[str, str]] = (), **kwargs) -> GenerateStream:
         """Stream chunks as the server commits them; the last carries finish_reason and stats."""
         request = build_generate_request(prompt, **kwargs)
-        md = self._metadata(metadata)
+        span = _ClientSpan("GenerateStream")
+        md = self._metadata(metadata, span)
         return GenerateStream(lambda remaining: self._stub.GenerateStream(request, timeout=remaining, metadata=md),
-                              _Deadline(self._timeout(timeout)), self.retry)
+                              _Deadline(self._timeout(timeout)), self.retry, span)
 
     def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool | None = None,
                  timeout: float | None = None) -> list[int]:
@@ -488,8 +545,9 @@ class AsyncGenerateStream:
     """Async iterator of :class:`GenerateChunk`; ``cancel()`` cancels the request (the next read
     raises :class:`Cancelled`); cancelling the task that reads it does the same."""
 
-    def __init__(self, start, deadline: _Deadline, retry: RetryPolicy):
+    def __init__(self, start, deadline: _Deadline, retry: RetryPolicy, span: _ClientSpan | None = None):
         self._start, self._deadline, self._retry = start, deadline, retry
+        self._span = span or _ClientSpan(None)
         self._received = False
         self._cancelled = False
         self._attempt = 1
@@ -504,7 +562,9 @@ class AsyncGenerateStream:
                 message = await self._call.read()
             except grpc.RpcError as e:
                 if self._received or not self._should_retry(e):
-                    raise from_rpc_error(e) from None
+                    error = from_rpc_error(e)
+                    self._span.end(error)
+                    raise error from None
                 await asyncio.sleep(self._retry.delay(self._attempt - 1))
                 self._call = self._start(self._deadline.remaining())
                 continue
@@ -514,8 +574,10 @@ class AsyncGenerateStream:
                     # cancel() was called on this stream, not on the task reading it
                     raise Cancelled("the stream was cancelled by this client") from None
                 self._call.cancel()
+                self._span.end(Cancelled("the reading task was cancelled"))
                 raise
             if message is grpc.aio.EOF:
+                self._span.end()
                 raise StopAsyncIteration
             self._received = True
             return _chunk(message)
@@ -525,6 +587,7 @@ class AsyncGenerateStream:
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
+        self._span.end(Cancelled("the stream was cancelled by this client"))
 
     async def aclose(self) -> None:
         self.cancel()
@@ -563,7 +626,7 @@ class AsyncDSpineClient(_ClientBase):
         except asyncio.TimeoutError:
             raise Unavailable(f"could not connect to {self.target} within {timeout}s") from None
 
-    async def _unary(self, method, request, timeout: float | None, metadata=()):
+    async def _unary(self, method, request, timeout: float | None, metadata=(), span: _ClientSpan | None = None):
         deadline = _Deadline(self._timeout(timeout))
         attempt = 1
         while True:
@@ -571,7 +634,7 @@ class AsyncDSpineClient(_ClientBase):
             if remaining is not None and remaining <= 0:
                 raise self._expired()
             try:
-                return await method(request, timeout=remaining, metadata=self._metadata(metadata))
+                return await method(request, timeout=remaining, metadata=self._metadata(metadata, span))
             except grpc.RpcError as e:
                 if e.code() not in self.retry.retry_codes or attempt >= self.retry.max_attempts:
                     raise from_rpc_error(e) from None
@@ -584,14 +647,22 @@ class AsyncDSpineClient(_ClientBase):
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        metadata: Sequence[tuple[str, str]] = (), **kwargs) -> GenerateResult:
         request = build_generate_request(prompt, **kwargs)
-        return _result(await self._unary(self._stub.Generate, request, timeout, metadata))
+        span = _ClientSpan("Generate")
+        try:
+            result = _result(await self._unary(self._stub.Generate, request, timeout, metadata, span))
+        except BaseException as e:
+            span.end(e)
+            raise
+        span.end()
+        return result
 
     def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None,
                         metadata: Sequence[tuple[str, str]] = (), **kwargs) -> AsyncGenerateStream:
         request = build_generate_request(prompt, **kwargs)
-        md = self._metadata(metadata)
+        span = _ClientSpan("GenerateStream")
+        md = self._metadata(metadata, span)
         return AsyncGenerateStream(lambda remaining: self._stub.GenerateStream(request, timeout=remaining, metadata=md),
-                                   _Deadline(self._timeout(timeout)), self.retry)
+                                   _Deadline(self._timeout(timeout)), self.retry, span)
 
     async def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool | None = None,
                        timeout: float | None = None) -> list[int]:

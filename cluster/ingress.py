@@ -34,6 +34,7 @@ from ray.serve.exceptions import BackPressureError
 
 from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
+from . import tracing
 from .admission import Admission
 from .config import ENGINE_DEPLOYMENT, ClusterConfig
 from .errors import ClusterBusyError, ReplicaLostError, set_status
@@ -67,6 +68,7 @@ class DSpineIngress:
         self.admission = Admission(self.config.engine.max_concurrency, self.config.replicas.max_queued_requests,
                                    lambda: self.live_engine_replicas)
         self._watcher: asyncio.Task | None = None
+        tracing.configure("dspine-ingress")
 
     # ------------------------------------------------------- replica count
     def _watch_replicas(self) -> None:
@@ -88,21 +90,38 @@ class DSpineIngress:
                 logger.debug("could not read the engine replica count", exc_info=True)
             await asyncio.sleep(period_s)
 
-    async def _unary(self, method: str, request, grpc_context, response_type):
+    def _span(self, rpc: str, request, grpc_context) -> tracing.RequestSpan:
+        """The RPC's span: under Serve's replica span when Ray tracing is on, else continuing the
+        caller's W3C context from the metadata."""
+        from opentelemetry import trace
+
+        parent = None
+        if not trace.get_current_span().get_span_context().is_valid:
+            parent = tracing.context_from_metadata(grpc_context.invocation_metadata())
+        return tracing.RequestSpan(rpc, request, self.config.model.name or "dspine", parent)
+
+    async def _unary(self, method: str, request, grpc_context, response_type, rpc: str = ""):
         """Forward a unary call; on failure set the status and return an empty ``response_type``
         (Serve serializes whatever is returned, and keeps the status set here)."""
         self._watch_replicas()
+        span = self._span(rpc or method, request, grpc_context) if method == "generate" else None
         try:
             async with self.admission.admit():
-                return await self._forward_unary(method, request, grpc_context, response_type)
+                return await self._forward_unary(method, request, grpc_context, response_type, span)
         except ClusterBusyError as e:
             set_status(grpc_context, e)
             return response_type()
+        finally:
+            if span is not None:
+                code = grpc_context.code()
+                span.finish(code.name if code else "OK", grpc_context.details() if code else None)
 
-    async def _forward_unary(self, method: str, request, grpc_context, response_type):
+    async def _forward_unary(self, method: str, request, grpc_context, response_type, span=None):
         attempts = 2 if self.retry_unstarted else 1
+        args = (request, tracing.carrier_of(span.context)) if span is not None and span.span is not None else (request,)
         for attempt in range(1, attempts + 1):
-            response = getattr(self.engines, method).remote(request)
+            with span.activate() if span is not None else contextlib.nullcontext():
+                response = getattr(self.engines, method).remote(*args)
             try:
                 return await response
             except RayActorError as e:
@@ -120,27 +139,41 @@ class DSpineIngress:
         return response_type()
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
-        return await self._unary("generate", request, grpc_context, pb.GenerateResponse)
+        return await self._unary("generate", request, grpc_context, pb.GenerateResponse, "Generate")
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
         self._watch_replicas()
+        span = self._span("GenerateStream", request, grpc_context)
+        code, error = "OK", None
         try:
             async with self.admission.admit():
-                async with contextlib.aclosing(self._forward_stream(request, grpc_context)) as messages:
+                async with contextlib.aclosing(self._forward_stream(request, grpc_context, span)) as messages:
                     async for message in messages:
                         yield message
         except ClusterBusyError as e:
             set_status(grpc_context, e)
+            code, error = "RESOURCE_EXHAUSTED", str(e)
             raise StreamFailed(str(e)) from None
+        except StreamFailed as e:
+            code, error = (grpc_context.code().name if grpc_context.code() else "UNKNOWN"), str(e)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code, error = "CANCELLED", "the call was cancelled"
+            raise
+        finally:
+            span.finish(code, error)
 
-    async def _forward_stream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def _forward_stream(self, request: pb.GenerateRequest, grpc_context, span=None
+                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         # Serve copies a stream's grpc_context to the call only with each message, so a status
         # set after the last one must travel as an exception (Serve keeps the code set here).
         # Trailing metadata does not travel that way: the field is the details' prefix.
         attempts = 2 if self.retry_unstarted else 1
         sent = 0
         for attempt in range(1, attempts + 1):
-            stream = self.engines.options(stream=True).generate_stream.remote(request)
+            carrier = tracing.carrier_of(span.context) if span is not None and span.span is not None else None
+            with span.activate() if span is not None else contextlib.nullcontext():
+                stream = self.engines.options(stream=True).generate_stream.remote(request, carrier)
             try:
                 async for message in stream:
                     sent += 1

@@ -25,11 +25,36 @@ from typing import AsyncIterator
 
 from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
+from . import tracing
 from .config import ClusterConfig
 from .embedded import resolve_model_dirs
+from .metrics import ServingMetrics, configure_metrics
 from .servicer import DSpineService
 
 logger = logging.getLogger(__name__)
+
+
+def _replica_id() -> str | None:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests, benches)
+        return None
+
+
+def _trace_context(carrier: dict | None):
+    """Parent of the engine spans: Serve's replica span when Ray tracing is on, else the
+    ingress's span carried over the handle call; None when nothing is traced."""
+    if not tracing.enabled():
+        return None
+    from opentelemetry import trace
+
+    if trace.get_current_span().get_span_context().is_valid:
+        from opentelemetry import context
+
+        return context.get_current()
+    return tracing.context_from_metadata(carrier.items()) if carrier else None
 
 
 class EngineReplica:
@@ -43,16 +68,19 @@ class EngineReplica:
         target_dir, draft_dir = resolve_model_dirs(model.target_dir, model.draft_dir, speculative_needed=False)
         engine_config = self.config.engine.engine_config(self.config.replica_threads)
         self.engine = Engine.from_pretrained(target_dir, draft_dir, engine_config)
-        self.service = DSpineService(self.engine, model.name or Path(target_dir).name)
+        tracing.configure("dspine-replica", replica_id=_replica_id())
+        metrics = ServingMetrics(load=self.engine.load) if configure_metrics("dspine-replica") else None
+        self.service = DSpineService(self.engine, model.name or Path(target_dir).name, metrics=metrics)
         logger.info("engine replica ready (pid %d, %s, max_concurrency %d, %d torch threads)", os.getpid(),
                     target_dir, engine_config.max_concurrency, self.config.replica_threads)
 
     # ------------------------------------------------------------ service
-    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        return await self.service.generate(request)
+    async def generate(self, request: pb.GenerateRequest, trace_carrier: dict | None = None) -> pb.GenerateResponse:
+        return await self.service.generate(request, _trace_context(trace_carrier))
 
-    async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for message in self.service.generate_stream(request):
+    async def generate_stream(self, request: pb.GenerateRequest, trace_carrier: dict | None = None
+                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async for message in self.service.generate_stream(request, _trace_context(trace_carrier)):
             yield message
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:

@@ -29,6 +29,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from . import tracing
+from .metrics import ServingMetrics, configure_metrics
 from .servicer import SERVICE_NAME, DSpineService, DSpineServicer, add_to_server
 from .validation import ValidationLimits
 
@@ -108,8 +110,10 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -
 class DSpineServer:
     """One engine behind a ``grpc.aio`` server; :meth:`start`, then :meth:`stop` (graceful)."""
 
-    def __init__(self, engine, config: ServerConfig | None = None, limits: ValidationLimits | None = None):
+    def __init__(self, engine, config: ServerConfig | None = None, limits: ValidationLimits | None = None,
+                 metrics: ServingMetrics | None = None):
         self.engine = engine
+        self._metrics = metrics
         self.config = config or ServerConfig()
         self._limits = limits
         self._server: grpc.aio.Server | None = None
@@ -131,7 +135,11 @@ class DSpineServer:
             ("grpc.max_send_message_length", cfg.max_send_message_bytes),
             ("grpc.so_reuseport", 0),
         ])
-        self.servicer = DSpineServicer(DSpineService(self.engine, cfg.model_name, self._limits))
+        tracing.configure("dspine-server")
+        metrics = self._metrics
+        if metrics is None and configure_metrics("dspine-server"):
+            metrics = ServingMetrics(load=self.engine.load)
+        self.servicer = DSpineServicer(DSpineService(self.engine, cfg.model_name, self._limits, metrics))
         add_to_server(self.servicer, server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import AsyncIterator
 
 from google.protobuf.message import DecodeError, Message
@@ -38,8 +39,9 @@ from dspine.replica.errors import (
 )
 from dspine.replica.types import RequestStats, StreamChunk
 
+from . import tracing
 from .chat import ChatTemplate
-from .errors import abort
+from .errors import abort, status_for
 from .validation import (
     GenerateInput,
     PreparedRequest,
@@ -143,7 +145,10 @@ def _fill_final(msg, stats: RequestStats | None, prompt_tokens: int, completion_
     timings = msg.timings
     timings.prefill, timings.draft, timings.tail = t.prefill, t.draft, t.tail
     timings.verify, timings.commit, timings.target_step = t.verify, t.commit, t.target_step
+    timings.other = t.other
     timings.time_to_first_token = stats.time_to_first_token or 0.0
+    if stats.scheduled_time is not None:
+        timings.queue = stats.scheduled_time - stats.arrival_time
 
 
 def _raise_if_abnormal(chunk: StreamChunk) -> None:
@@ -161,9 +166,10 @@ class DSpineService:
     ``GetModelInfo`` (e.g. the target directory's name).
     """
 
-    def __init__(self, engine, model_name: str = "", limits: ValidationLimits | None = None):
+    def __init__(self, engine, model_name: str = "", limits: ValidationLimits | None = None, metrics=None):
         self.engine = engine
         self.model_name = model_name
+        self.metrics = metrics  # a ServingMetrics, or None
         self.limits = limits or ValidationLimits.from_engine(engine)
         self.tokenizer = engine.tokenizer
         template = getattr(self.tokenizer, "chat_template", None)
@@ -198,7 +204,17 @@ class DSpineService:
     def _cancel_soon(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
         loop.run_in_executor(None, self.engine.cancel, request_id)
 
-    async def _chunks(self, request: pb.GenerateRequest) -> AsyncIterator[tuple[PreparedRequest, StreamChunk]]:
+    def _finished(self, prepared: PreparedRequest, chunk: StreamChunk, trace_ctx) -> None:
+        """Exporters of a finished request: its stage spans (under ``trace_ctx``) and metrics."""
+        if self.metrics is not None:
+            self.metrics.record_engine(chunk.stats)
+        if trace_ctx is not None and tracing.enabled():
+            attributes = {"gen_ai.request.model": self.model_name,
+                          **tracing.result_attributes(prepared.request_id, chunk.finish_reason, chunk.stats)}
+            tracing.record_engine_spans(chunk.stats, trace_ctx, attributes)
+
+    async def _chunks(self, request: pb.GenerateRequest, trace_ctx=None
+                      ) -> AsyncIterator[tuple[PreparedRequest, StreamChunk]]:
         """Admit the request and yield its engine chunks; leaving early cancels it in the engine."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamChunk] = asyncio.Queue()
@@ -224,13 +240,16 @@ class DSpineService:
                 finished = chunk.finished
                 yield prepared, chunk
         finally:
-            if not finished:
+            if finished:  # after the last message went out: exporters never delay a reply
+                self._finished(prepared, chunk, trace_ctx)
+            else:
                 self._cancel_soon(loop, prepared.request_id)
 
-    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    async def generate(self, request: pb.GenerateRequest, trace_ctx=None) -> pb.GenerateResponse:
+        """Generate to completion; ``trace_ctx`` (an OpenTelemetry context) parents its stage spans."""
         token_ids: list[int] = []
         texts: list[str] = []
-        async with contextlib.aclosing(self._chunks(request)) as chunks:
+        async with contextlib.aclosing(self._chunks(request, trace_ctx)) as chunks:
             async for prepared, chunk in chunks:
                 token_ids += chunk.token_ids
                 texts.append(chunk.text)
@@ -243,9 +262,10 @@ class DSpineService:
                     return response
         raise RequestFailedError("the engine ended the request without a final chunk")
 
-    async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def generate_stream(self, request: pb.GenerateRequest, trace_ctx=None
+                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         completion_tokens = 0
-        async with contextlib.aclosing(self._chunks(request)) as chunks:
+        async with contextlib.aclosing(self._chunks(request, trace_ctx)) as chunks:
             async for prepared, chunk in chunks:
                 completion_tokens += len(chunk.token_ids)
                 if chunk.finished:
@@ -347,21 +367,38 @@ class DSpineServicer(pb_grpc.DSpineServicer):
             if self._active == 0:
                 self._idle.set()
 
+    @contextlib.asynccontextmanager
+    async def _observed(self, rpc: str, request, context):
+        """The RPC's span (continuing the caller's W3C context) and its status metric."""
+        span = tracing.RequestSpan(rpc, request, self.service.model_name,
+                                   tracing.context_from_metadata(context.invocation_metadata()))
+        start = time.perf_counter()
+        code, error = "OK", None
+        try:
+            yield span
+        except asyncio.CancelledError:
+            code, error = "CANCELLED", "the call was cancelled"
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status here, in errors.py
+            status, details = status_for(e)
+            code, error = status.name, details
+            await abort(context, e)
+        finally:
+            span.finish(code, error)
+            if self.service.metrics is not None:
+                self.service.metrics.record_status(code, time.perf_counter() - start)
+
     async def Generate(self, request, context):
         with self._tracked():
-            try:
-                return await self.service.generate(request)
-            except Exception as e:  # noqa: BLE001 - every error becomes a status, in errors.py
-                await abort(context, e)
+            async with self._observed("Generate", request, context) as span:
+                return await self.service.generate(request, span.context)
 
     async def GenerateStream(self, request, context):
         with self._tracked():
-            try:
-                async with contextlib.aclosing(self.service.generate_stream(request)) as messages:
+            async with self._observed("GenerateStream", request, context) as span:
+                async with contextlib.aclosing(self.service.generate_stream(request, span.context)) as messages:
                     async for message in messages:
                         await context.write(message)
-            except Exception as e:  # noqa: BLE001
-                await abort(context, e)
 
     async def Tokenize(self, request, context):
         try:

@@ -33,6 +33,7 @@ from .model_runner import ModelRunner
 from .request import Request
 from .sampling import SamplingParams
 from .scheduler import FcfsScheduler, RequestEvent
+from .step_stats import StepRecord
 from .stopping import StopChecker
 from .types import GenerationResult, RequestStatus, SpecDecodingStats, StageTimes, StreamChunk
 
@@ -102,6 +103,7 @@ class Engine:
         self._sinks: dict[str, Callable[[StreamChunk], None]] = {}
         self._work = threading.Condition(self._lock)
         self._loop: Future | None = None  # the background loop, running on the device thread
+        self._step_observers: list[Callable[[StepRecord], None]] = []
         self._stopping = False
 
     # ------------------------------------------------------------ building
@@ -205,14 +207,23 @@ class Engine:
 
     def _step(self) -> list[RequestEvent]:
         with self._lock:
+            start = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
                 return []
+            requests = dict(self.scheduler.requests)  # the step's requests, finished ones included
             runner_output = self.runner.execute(scheduler_output, self.scheduler.requests)
             events = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self._account(runner_output, events)
+            record = StepRecord(self.stats.num_steps, start, time.perf_counter(), runner_output.stage_intervals,
+                                runner_output.num_verified, runner_output.accepted_len)
+            self._account(runner_output, record, requests)
             self._deliver(events)
             self.stats.last_progress = time.monotonic()
+            for observer in self._step_observers:
+                try:
+                    observer(record)
+                except Exception:  # noqa: BLE001 - an exporter never breaks a step
+                    logger.exception("step observer failed")
             return events
 
     def has_unfinished(self) -> bool:
@@ -223,7 +234,16 @@ class Engine:
         with self._lock:
             return self.scheduler.num_unfinished
 
-    def _account(self, runner_output, events: list[RequestEvent]) -> None:
+    def _account(self, runner_output, record: StepRecord, requests: dict) -> None:
+        """Engine-wide sums, and each request of the step charged with its own stage intervals."""
+        for request_id in record.request_ids:
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            request.stats.stage_times.add(record.own_times(request_id))
+            request.stats.steps.append(record)
+            if request.stats.scheduled_time is None:
+                request.stats.scheduled_time = record.start
         self.stats.num_steps += 1
         self.stats.stage_times.add(runner_output.stage_times)
         self.stats.peak_draft_pool_used = max(self.stats.peak_draft_pool_used, runner_output.draft_pool_used)
@@ -239,7 +259,7 @@ class Engine:
             if finished:
                 # Free device state now: an idle engine may not step again for a while.
                 self.runner.free([request.request_id])
-                request.stats.finish_time = time.monotonic()
+                request.stats.finish_time = time.perf_counter()
                 self.stats.num_finished += 1
                 self.stats.num_failed += release.status == RequestStatus.FINISHED_ERROR
                 self.stats.num_cancelled += release.status == RequestStatus.FINISHED_CANCELLED
@@ -401,6 +421,20 @@ class Engine:
                       speculative: bool | None = None) -> GenerationResult:
         """Encode ``prompt`` with the target's tokenizer and generate."""
         return self.generate(self.encode(prompt), params, speculative)
+
+    # ------------------------------------------------------------ observers
+    def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        """Call ``observer(record)`` after every step (on the device thread: keep it cheap)."""
+        with self._lock:
+            self._step_observers.append(observer)
+
+    def remove_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        with self._lock:
+            self._step_observers.remove(observer)
+
+    def set_precise_timing(self, enabled: bool) -> None:
+        """Synchronise the device around each stage so stage intervals are device time (CUDA)."""
+        self.runner.precise_timing = enabled
 
     # --------------------------------------------------------------- state
     def load(self) -> EngineLoad:

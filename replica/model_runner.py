@@ -22,7 +22,8 @@ import torch
 from . import sampling, verify
 from .config import EngineConfig
 from .request import Request
-from .types import RunnerOutput, SchedulerOutput, StageTimes
+from .step_stats import StageInterval
+from .types import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Test hook: called with the request ids of each stage; raising inside simulates a failure.
         self.fault_hook: Callable[[str, list[str]], None] | None = None
+        # Synchronise the device around each stage so its interval is device time (CUDA only;
+        # off unless tracing or profiling asks: an untraced engine pays nothing for timing).
+        self.precise_timing = False
 
     # ------------------------------------------------------------------ step
     def execute(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
@@ -105,22 +109,27 @@ class ModelRunner:
             self.fault_hook(stage, request_ids)
 
     @contextmanager
-    def _timed(self, times: StageTimes, name: str):
-        if self.device.type == "cuda":
+    def _timed(self, out: RunnerOutput, name: str, request_ids: list[str]):
+        """Record the stage's wall interval and who took part (see step_stats)."""
+        sync = self.precise_timing and self.device.type == "cuda"
+        if sync:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        setattr(times, name, getattr(times, name) + time.perf_counter() - start)
+        try:
+            yield
+        finally:
+            if sync:
+                torch.cuda.synchronize(self.device)
+            end = time.perf_counter()
+            setattr(out.stage_times, name, getattr(out.stage_times, name) + end - start)
+            out.stage_intervals.append(StageInterval(name, start, end, tuple(request_ids)))
 
     # --------------------------------------------------------------- prefill
     @torch.inference_mode()
     def _prefill(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
-        times = StageTimes()
         self._fault("prefill", request_ids)
         batch = [requests[r] for r in request_ids]
-        with self._timed(times, "prefill"):
+        with self._timed(out, "prefill", request_ids):
             for request in batch:
                 if request.request_id not in self.states:
                     self.states[request.request_id] = self.target.new_state(device=self.device, dtype=self.target_dtype)
@@ -140,16 +149,13 @@ class ModelRunner:
                     self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
         for request, token in zip(batch, first_tokens):
             out.new_token_ids[request.request_id] = [token]
-            request.stats.stage_times.prefill += times.prefill / len(batch)
-        out.stage_times.add(times)
 
     # ----------------------------------------------------- target-only decode
     @torch.inference_mode()
     def _target_step(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
-        times = StageTimes()
         self._fault("target_step", request_ids)
         batch = [requests[r] for r in request_ids]
-        with self._timed(times, "target_step"):
+        with self._timed(out, "target_step", request_ids):
             states = [self.states[r] for r in request_ids]
             inputs = torch.tensor([[r.pending_token_id] for r in batch], dtype=torch.long, device=self.device)
             result = self.target.forward_step(inputs, states)
@@ -157,25 +163,22 @@ class ModelRunner:
             tokens = self._sample(result.logits[:, 0], batch)
         for request, token in zip(batch, tokens):
             out.new_token_ids[request.request_id] = [token]
-            request.stats.stage_times.target_step += times.target_step / len(batch)
-        out.stage_times.add(times)
 
     # ------------------------------------------------------ speculative cycle
     @torch.inference_mode()
     def _speculative_cycle(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
-        times = StageTimes()
         batch = [requests[r] for r in request_ids]
         params = [r.params for r in batch]
         generators = [self.generators[r] for r in request_ids]
         anchors = torch.tensor([r.pending_token_id for r in batch], dtype=torch.long, device=self.device)
 
-        with self._timed(times, "draft"):
+        with self._timed(out, "draft", request_ids):
             self._fault("draft", request_ids)
             draft_out = self.drafter.draft(self.draft_pool, request_ids, anchors)
-        with self._timed(times, "tail"):
+        with self._timed(out, "tail", request_ids):
             self._fault("tail", request_ids)
             proposal = self.propose(request_ids, requests, draft_out, anchors, params, generators)
-        with self._timed(times, "verify"):
+        with self._timed(out, "verify", request_ids):
             self._fault("verify", request_ids)
             states = [self.states[r] for r in request_ids]
             num_verified = self._verify_lengths(proposal)  # [NB] draft tokens each request verifies
@@ -187,7 +190,7 @@ class ModelRunner:
                 rows = [block[b, : n + 1] for b, n in enumerate(lengths)]
             result = self.target.forward_step(rows, states, feature_layers=self.feature_layers)
             verdict = self._verify(proposal, result.logits, batch, generators, num_verified)
-        with self._timed(times, "commit"):
+        with self._timed(out, "commit", request_ids):
             self._fault("commit", request_ids)
             accepted = verdict.accepted_len.tolist()
             self.target.commit(states, [a + 1 for a in accepted])
@@ -203,10 +206,7 @@ class ModelRunner:
             request.stats.peak_draft_pool_slots = max(
                 request.stats.peak_draft_pool_slots, self.draft_pool.request_len(request.request_id)
             )
-            share = 1.0 / len(batch)
-            for name in ("draft", "tail", "verify", "commit"):
-                setattr(request.stats.stage_times, name, getattr(request.stats.stage_times, name) + getattr(times, name) * share)
-        out.stage_times.add(times)
+
 
     def propose(self, request_ids, requests, draft_out, anchors, params, generators):
         """The tail's proposal for the batch; tests replace this to force acceptance patterns."""

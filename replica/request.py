@@ -31,7 +31,7 @@ class Request:
             num_prompt_tokens=len(prompt_token_ids),
             speculative=speculative,
             spec=SpecDecodingStats(num_draft_slots) if speculative else None,
-            arrival_time=time.monotonic(),
+            arrival_time=time.perf_counter(),
         )
 
     @property
@@ -57,8 +57,11 @@ class Request:
 
     def append_committed(self, token_ids: list[int]) -> Release:
         """Record tokens the target committed; returns what may be released and a stop status."""
-        if token_ids and self.stats.first_token_time is None:
-            self.stats.first_token_time = time.monotonic()
+        if token_ids:
+            now = time.perf_counter()
+            if self.stats.first_token_time is None:
+                self.stats.first_token_time = now
+            self.stats.token_times.append((now, len(token_ids)))
         release = self._stop.extend(token_ids)
         self.stats.num_output_tokens = len(self._stop.output_ids)
         if token_ids:

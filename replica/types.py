@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .step_stats import StageInterval, StepRecord
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +69,9 @@ class StageTimes:
     verify: float = 0.0  # target forward over [anchor, proposals] and acceptance
     commit: float = 0.0  # target state commit, draft KV append
     target_step: float = 0.0  # target-only decode forward and sampling
+    # Per request: the part of its steps spent on other requests' stages (a newcomer's prefill,
+    # the target-only rows) and on step bookkeeping; per step or engine: bookkeeping only.
+    other: float = 0.0
 
     def add(self, other: "StageTimes") -> None:
         for name in self.__dataclass_fields__:
@@ -81,6 +88,7 @@ class RunnerOutput:
     stage_times: StageTimes  # of the whole step
     draft_pool_used: int = 0  # slots in use after the step
     num_verified: dict[str, int] = field(default_factory=dict)  # per speculative request: draft tokens verified
+    stage_intervals: list["StageInterval"] = field(default_factory=list)  # every stage run, in order
 
     @classmethod
     def make_empty(cls) -> "RunnerOutput":
@@ -139,11 +147,15 @@ class RequestStats:
     num_output_tokens: int = 0
     speculative: bool = False
     spec: SpecDecodingStats | None = None
+    # The wall time of each stage this request took part in (its own intervals, see step_stats).
     stage_times: StageTimes = field(default_factory=StageTimes)
-    arrival_time: float = 0.0  # time.monotonic() when admitted
+    arrival_time: float = 0.0  # time.perf_counter() when admitted
+    scheduled_time: float | None = None  # start of the first step it took part in
     first_token_time: float | None = None
     finish_time: float | None = None
     peak_draft_pool_slots: int = 0  # slots this request held at its peak
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each commit
+    steps: list["StepRecord"] = field(default_factory=list)  # the steps it took part in, in order
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -149,12 +149,12 @@ class StepGate:
 class ServerThread:
     """A :class:`DSpineServer` on its own event loop thread."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, limits=None):
+    def __init__(self, engine: Engine, config: ServerConfig, limits=None, metrics=None):
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-server", daemon=True)
         self.thread.start()
-        self.server = DSpineServer(engine, config, limits)
+        self.server = DSpineServer(engine, config, limits, metrics)
         self.port = self.run(self.server.start())
         self.address = f"127.0.0.1:{self.port}"
 
@@ -182,10 +182,10 @@ def serve():
     started: list[ServerThread] = []
     gates: list[StepGate] = []
 
-    def start(engine: Engine, limits=None, **config) -> ServerThread:
+    def start(engine: Engine, limits=None, metrics=None, **config) -> ServerThread:
         config.setdefault("host", "127.0.0.1")
         config.setdefault("port", 0)
-        server = ServerThread(engine, ServerConfig(**config), limits)
+        server = ServerThread(engine, ServerConfig(**config), limits, metrics)
         started.append(server)
         return server
 
@@ -207,3 +207,32 @@ def gate_for(serve):
         return gate
 
     return make
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    """An OTLP/gRPC receiver on a socket; this process (and every Ray process started after this
+    fixture) exports its spans there. The process's tracer provider can be set only once, so the
+    receiver lives for the whole session; tests pick their spans by trace id."""
+    import os
+
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from opentelemetry import trace
+
+    from dspine.cluster import tracing
+    from dspine_testing.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver()
+    os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+                       "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "500"})
+    exporter = OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)
+    assert tracing.configure("dspine-test", processors=[BatchSpanProcessor(exporter, schedule_delay_millis=100)])
+    yield receiver
+    from opentelemetry import metrics
+
+    for provider in (metrics.get_meter_provider(), trace.get_tracer_provider()):
+        if hasattr(provider, "shutdown"):
+            provider.shutdown()  # flush before the receiver goes
+    receiver.close()

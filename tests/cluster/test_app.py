@@ -50,8 +50,12 @@ def _tiny_model_dirs(root, tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tokenizer_dir):
+def cluster(tmp_path_factory, tokenizer_dir, otlp):
     full, draft, bare = _tiny_model_dirs(tmp_path_factory.mktemp("models"), tokenizer_dir)
+    # Serve's own tracing, through the environment of every Ray process (the tracing_config
+    # option does not reach the proxy in Ray 2.60): proxy and replica spans join the trace.
+    os.environ.update({"RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": "dspine.cluster.tracing:span_processors",
+                       "RAY_SERVE_TRACING_SAMPLING_RATIO": "1.0", "OTEL_SERVICE_NAME": "dspine-cluster"})
     cluster = LocalCluster(num_cpus=12, max_message_bytes=TINY_MAX_MESSAGE)
     try:
         common = {"engine": {"device": "cpu", "dtype": "float32"}}
@@ -108,6 +112,39 @@ def test_24_concurrent_streams_equal_greedy_and_respect_the_cap(cluster, referen
     assert sum(r["num_finished"] for r in loads) >= 24
     assert all(r["num_finished"] > 0 for r in loads), "the router sent everything to one replica"
     wait_for(lambda: cluster.idle(MAIN), 10, "idle replicas")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_one_trace_from_client_through_serve_to_engine_stages(cluster, otlp, stream):
+    from opentelemetry import trace
+
+    from .test_tracing import check_request_trace, complete
+
+    tracer = trace.get_tracer("test")
+    with DSpineClient(cluster.address, application=MAIN, timeout=60) as client, \
+            tracer.start_as_current_span("test-root") as root:
+        if stream:
+            tokens = [t for c in client.generate_stream(PROMPTS[1], max_new_tokens=40, ignore_eos=True)
+                      for t in c.token_ids]
+        else:
+            tokens = client.generate(PROMPTS[1], max_new_tokens=40, ignore_eos=True).token_ids
+        trace_id = format(root.get_span_context().trace_id, "032x")
+        root_id = format(root.get_span_context().span_id, "016x")
+    rpc = "GenerateStream" if stream else "Generate"
+    spans = otlp.wait_for_trace(trace_id, complete(root_id), timeout=60)
+    found = check_request_trace(spans, rpc, root_id, len(tokens))
+    by_id = {s.span_id: s for s in spans}
+    chain, node = [], found["engine"]
+    while node.parent_id in by_id:
+        node = by_id[node.parent_id]
+        chain.append(f"{node.service}:{node.name.split(' ')[0]}")
+    # test root <- SDK client span <- Serve proxy <- ingress replica <- our ingress span <- engine replica
+    # <- dspine.engine (recorded in the engine replica's process) <- queue / prefill / decode <- cycles
+    assert chain[-2:] == [f"dspine-test:dspine.v1.DSpine/{rpc}", "dspine-test:test-root"], chain
+    assert chain[-3] == "dspine-cluster:proxy_grpc_request", chain
+    assert f"dspine-cluster:dspine.v1.DSpine/{rpc}" in chain, chain  # the ingress's span
+    assert sum(c == "dspine-cluster:replica_handle_request" for c in chain) == 2, chain
+    assert found["engine"].service == "dspine-cluster"
 
 
 def test_unary_and_model_info_through_the_ingress(cluster, reference_engine):

@@ -99,7 +99,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, speculative: _Optional[bool] = ..., cycles: _Optional[int] = ..., mean_accepted_len: _Optional[float] = ..., accepted_len_histogram: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("prefill", "draft", "tail", "verify", "commit", "target_step", "time_to_first_token")
+    __slots__ = ("prefill", "draft", "tail", "verify", "commit", "target_step", "time_to_first_token", "other", "queue")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class StageTimings(_message.Message):
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEP_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
     prefill: float
     draft: float
     tail: float
@@ -114,7 +116,9 @@ class StageTimings(_message.Message):
     commit: float
     target_step: float
     time_to_first_token: float
-    def __init__(self, prefill: _Optional[float] = ..., draft: _Optional[float] = ..., tail: _Optional[float] = ..., verify: _Optional[float] = ..., commit: _Optional[float] = ..., target_step: _Optional[float] = ..., time_to_first_token: _Optional[float] = ...) -> None: ...
+    other: float
+    queue: float
+    def __init__(self, prefill: _Optional[float] = ..., draft: _Optional[float] = ..., tail: _Optional[float] = ..., verify: _Optional[float] = ..., commit: _Optional[float] = ..., target_step: _Optional[float] = ..., time_to_first_token: _Optional[float] = ..., other: _Optional[float] = ..., queue: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation", "timings")
