@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print a JSON object")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--server", help="HOST:PORT of a dspine gRPC server instead of a local engine")
+    generate.add_argument("--trace", action="store_true",
+                          help="with --server: trace the call (OTLP export from OTEL_EXPORTER_OTLP_ENDPOINT) and "
+                               "print its trace id")
 
     serve = commands.add_parser("serve", help="serve the gRPC API on a Ray Serve cluster (--standalone: one "
                                               "engine, no Ray)")
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--concurrency", type=int, default=1)
     bench_engine.add_argument("--repeats", type=int, default=3, help="paired target-only / speculative runs")
     bench_engine.add_argument("--json", action="store_true")
+    bench_engine.add_argument("--trace-out", help="write the first repeat's engine steps as a Chrome/Perfetto "
+                                                  "trace (JSON; open in ui.perfetto.dev)")
+    bench_engine.add_argument("--tracing", action="store_true",
+                              help="also measure decode time with tracing on vs off (paired, same run)")
     bench_cluster = bench_kinds.add_parser("cluster", help="the serving path (standalone server, Ray cluster with "
                                                            "1 and 2 replicas) vs the engine inline")
     bench_cluster.add_argument("--num-prompts", type=int, default=8)
@@ -185,12 +192,30 @@ def _sampling_from_args(args, stop=()):
 
 def cmd_generate(args) -> int:
     if args.server:
+        import contextlib
+
         from .client import DSpineClient
 
-        with DSpineClient(args.server) as client:
+        span = contextlib.nullcontext()
+        if args.trace:
+            from opentelemetry import trace
+
+            from . import tracing
+
+            tracing.configure("dspine-cli", processors=None if tracing.exporting_env() else [])
+            span = trace.get_tracer("dspine.cli").start_as_current_span("dspine generate")
+        with span as root, DSpineClient(args.server) as client:
             result = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                                      speculative=not args.no_spec)
+            if args.trace:
+                print(f"trace id: {root.get_span_context().trace_id:032x}", file=sys.stderr)
+        if args.trace:
+            from opentelemetry import trace
+
+            provider = trace.get_tracer_provider()
+            if hasattr(provider, "force_flush"):
+                provider.force_flush()  # the spans leave before the process exits
         text, token_ids, finish_reason, extra = result.text, result.token_ids, result.finish_reason, {}
     else:
         engine = _engine_from_args(args, speculative_needed=not args.no_spec)
@@ -356,10 +381,31 @@ def cmd_bench(args) -> int:
         print(report.format())
         return 0
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=True)
+    from dspine.replica import Engine, SamplingParams
+
+    # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
+    engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=max(args.concurrency, 1)))
     report = bench.bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,
                                 prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
-                                config=_engine_config(args, max_concurrency=max(args.concurrency, 1)))
-    print(json.dumps(report.as_dict(), indent=2) if args.json else report.format())
+                                engine=engine, trace_out=args.trace_out)
+    overhead = None
+    if args.tracing:
+        from .bench import bench_tracing_overhead
+
+        sampling = _sampling_from_args(args)
+        prompts = bench.heldout_prompts(engine, args.num_prompts, args.prompt_len)
+        overhead = bench_tracing_overhead(engine, prompts, SamplingParams(
+            **{**sampling.__dict__, "ignore_eos": True}), repeats=args.repeats)
+    if args.json:
+        print(json.dumps({**report.as_dict(), **({"tracing": overhead} if overhead else {})}, indent=2))
+    else:
+        print(report.format())
+        if overhead:
+            print(f"tracing on / off (decode time per request, median of {overhead['pairs']} pairs): "
+                  f"{overhead['tracing_on_vs_off_median']:.4f}x ({overhead['on_median_s'] * 1000:.1f} vs "
+                  f"{overhead['off_median_s'] * 1000:.1f} ms)")
+        if args.trace_out:
+            print(f"wrote {args.trace_out} (open in ui.perfetto.dev)")
     return 0
 
 

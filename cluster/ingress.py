@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -36,6 +37,7 @@ from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
 from . import tracing
 from .admission import Admission
+from .metrics import ServingMetrics, configure_metrics
 from .config import ENGINE_DEPLOYMENT, ClusterConfig
 from .errors import ClusterBusyError, ReplicaLostError, set_status
 
@@ -69,6 +71,8 @@ class DSpineIngress:
                                    lambda: self.live_engine_replicas)
         self._watcher: asyncio.Task | None = None
         tracing.configure("dspine-ingress")
+        # Requests by final status, counted where every outcome is known (admission refusals too).
+        self.metrics = ServingMetrics() if configure_metrics("dspine-ingress") else None
 
     # ------------------------------------------------------- replica count
     def _watch_replicas(self) -> None:
@@ -104,6 +108,7 @@ class DSpineIngress:
         """Forward a unary call; on failure set the status and return an empty ``response_type``
         (Serve serializes whatever is returned, and keeps the status set here)."""
         self._watch_replicas()
+        start = time.perf_counter()
         span = self._span(rpc or method, request, grpc_context) if method == "generate" else None
         try:
             async with self.admission.admit():
@@ -112,9 +117,12 @@ class DSpineIngress:
             set_status(grpc_context, e)
             return response_type()
         finally:
+            code = grpc_context.code()
+            code_name = code.name if code else "OK"
             if span is not None:
-                code = grpc_context.code()
-                span.finish(code.name if code else "OK", grpc_context.details() if code else None)
+                span.finish(code_name, grpc_context.details() if code else None)
+            if self.metrics is not None and method == "generate":
+                self.metrics.record_status(code_name, time.perf_counter() - start)
 
     async def _forward_unary(self, method: str, request, grpc_context, response_type, span=None):
         attempts = 2 if self.retry_unstarted else 1
@@ -143,6 +151,7 @@ class DSpineIngress:
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
         self._watch_replicas()
+        start = time.perf_counter()
         span = self._span("GenerateStream", request, grpc_context)
         code, error = "OK", None
         try:
@@ -162,6 +171,8 @@ class DSpineIngress:
             raise
         finally:
             span.finish(code, error)
+            if self.metrics is not None:
+                self.metrics.record_status(code, time.perf_counter() - start)
 
     async def _forward_stream(self, request: pb.GenerateRequest, grpc_context, span=None
                               ) -> AsyncIterator[pb.GenerateStreamResponse]:

@@ -9,6 +9,11 @@ push per process to the node's collector has neither problem. (Ray's own
 per-node metrics export is the other option; it would tie the metrics to Ray
 and leave the standalone server without them.)
 
+The collector's Prometheus exporter should run with
+``resource_to_telemetry_conversion: enabled`` so that ``service.name`` and
+``dspine.replica_id`` become labels (the dashboard, cluster/dashboards/dspine.json,
+filters and groups by them).
+
 Instruments (names as the OpenTelemetry GenAI conventions define them where
 they exist; Prometheus turns dots into underscores and appends the unit):
 
@@ -41,7 +46,7 @@ logger = logging.getLogger(__name__)
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-def configure_metrics(service_name: str, readers: list | None = None) -> bool:
+def configure_metrics(service_name: str, readers: list | None = None, replica_id: str | None = None) -> bool:
     """Install a meter provider for this process unless one exists; True when metrics are exported.
     ``readers`` (e.g. an ``InMemoryMetricReader`` in tests) replace the environment's OTLP export."""
     try:
@@ -62,9 +67,10 @@ def configure_metrics(service_name: str, readers: list | None = None) -> bool:
         views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(_TIME_BUCKETS))
                  for name in ("gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
                               "gen_ai.server.time_per_output_token", "dspine.stage.duration")]
-        provider = MeterProvider(metric_readers=readers, views=views,
-                                 resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
-                                                                                          service_name)}))
+        attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}
+        if replica_id:
+            attributes["dspine.replica_id"] = replica_id  # the dashboard's per-replica panels
+        provider = MeterProvider(metric_readers=readers, views=views, resource=Resource.create(attributes))
         metrics.set_meter_provider(provider)
         return True
     except Exception:  # noqa: BLE001

@@ -68,8 +68,10 @@ class EngineReplica:
         target_dir, draft_dir = resolve_model_dirs(model.target_dir, model.draft_dir, speculative_needed=False)
         engine_config = self.config.engine.engine_config(self.config.replica_threads)
         self.engine = Engine.from_pretrained(target_dir, draft_dir, engine_config)
-        tracing.configure("dspine-replica", replica_id=_replica_id())
-        metrics = ServingMetrics(load=self.engine.load) if configure_metrics("dspine-replica") else None
+        replica_id = _replica_id()
+        tracing.configure("dspine-replica", replica_id=replica_id)
+        metrics = (ServingMetrics(load=self.engine.load)
+                   if configure_metrics("dspine-replica", replica_id=replica_id) else None)
         self.service = DSpineService(self.engine, model.name or Path(target_dir).name, metrics=metrics)
         logger.info("engine replica ready (pid %d, %s, max_concurrency %d, %d torch threads)", os.getpid(),
                     target_dir, engine_config.max_concurrency, self.config.replica_threads)

@@ -52,7 +52,7 @@ def to_epoch_ns(perf_seconds: float) -> int:
     return int(perf_seconds * 1e9) + _EPOCH_OFFSET_NS
 
 
-def _exporting_env() -> bool:
+def exporting_env() -> bool:
     env = os.environ
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or env.get("OTEL_TRACES_EXPORTER", "none") not in ("none", ""))
@@ -76,7 +76,7 @@ def configure(service_name: str, replica_id: str | None = None, processors: Sequ
         current = trace.get_tracer_provider()
         if _is_sdk_provider(current):
             return True  # Ray Serve's (or an earlier configure()): add spans to it
-        if processors is None and not _exporting_env():
+        if processors is None and not exporting_env():
             return False
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider

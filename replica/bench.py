@@ -18,6 +18,7 @@ import torch
 from .config import EngineConfig
 from .engine import Engine
 from .sampling import SamplingParams
+from .step_stats import StepRecord, write_chrome_trace
 from .types import SpecDecodingStats, StageTimes
 
 
@@ -212,13 +213,13 @@ def heldout_prompts(engine: Engine, num_prompts: int, prompt_len: int) -> list[l
 def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int = 8, prompt_len: int = 64,
                  concurrency: int = 1, device: str = "auto", dtype: str = "auto", engine: Engine | None = None,
                  prompts: list[list[int]] | None = None, repeats: int = 3,
-                 config: EngineConfig | None = None) -> EngineBenchReport:
+                 config: EngineConfig | None = None, trace_out: str | Path | None = None) -> EngineBenchReport:
     """Decode the same prompts target-only and speculatively, ``repeats`` times each, in one run.
 
     The two modes are interleaved group by group (a group is ``concurrency`` prompts decoded
     together), alternating which mode goes first, so a slow stretch on a shared machine lands
     on both sides of the comparison; each repeat gives one paired ratio and the reported speedup
-    is their median."""
+    is their median. ``trace_out``: write the first repeat's steps as a Chrome/Perfetto trace."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     if engine is None:
@@ -234,8 +235,14 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     base_results = spec_results = None
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
     probes = []
+    records: list[StepRecord] = []
+    if trace_out is not None:
+        engine.add_step_observer(records.append)
     for repeat in range(repeats):
-        probes.append(gemm_probe(engine.device))
+        if repeat == 1 and trace_out is not None:
+            engine.remove_step_observer(records.append)
+        # On the engine's thread: a parallel op on a second thread would slow both (device_thread.py).
+        probes.append(engine.call_on_device_thread(gemm_probe, engine.device))
         seconds = {False: 0.0, True: 0.0}
         results = {False: [], True: []}
         for g, group in enumerate(groups):
@@ -252,6 +259,10 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
             cycles += result.stats.spec.num_cycles
         target_step += sum(r.stats.stage_times.target_step for r in results[False])
         base_steps += sum(max(0, r.stats.num_output_tokens - 1) for r in results[False])
+    if trace_out is not None:
+        if repeats == 1:
+            engine.remove_step_observer(records.append)
+        write_chrome_trace(records, trace_out)
     spec = SpecDecodingStats(engine.block_size - 1)
     for result in spec_results:
         spec.merge(result.stats.spec)
@@ -269,8 +280,10 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         mean_verified_len=spec.num_draft_tokens / max(1, spec.num_cycles),
         accepted_len_histogram=spec.accepted_len_histogram,
         stage_seconds=per_cycle,
-        target_step_seconds=target_step * concurrency / max(1, base_steps),
-        cycle_seconds=sum(per_cycle.values()) * concurrency,
+        # Per-request stage times are the full wall time of each step a request took part in, so
+        # these sums over requests, per request-step, are already per engine step.
+        target_step_seconds=target_step / max(1, base_steps),
+        cycle_seconds=sum(per_cycle.values()),
         identical_greedy_output=identical,
         config={"verify_threshold": config.verify_threshold, "retrieval": config.retrieval_mode,
                 "threads": torch.get_num_threads()},

@@ -9,6 +9,13 @@ against 0.67 s). Servers drive the engine from a loop thread, so loading on
 one thread and stepping on another halved the serving path's speed. The
 engine therefore builds its tensors and steps on this thread only.
 
+The rule is process-wide: once any two threads have run parallel torch ops,
+*both* stay slow (a probe here: 105 us alone, ~185 us on either thread after
+the other one ran one: libgomp then manages more threads than there are
+cores and its workers sleep instead of spinning between parallel regions).
+So other torch work of the process that runs next to an engine (a
+benchmark's probe, say) goes through ``Engine.call_on_device_thread``.
+
 ``call(fn)`` runs ``fn`` here and returns its result (directly when already
 on this thread); ``submit(fn)`` returns a Future, for long-running work such
 as the engine loop.

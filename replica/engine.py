@@ -432,6 +432,11 @@ class Engine:
         with self._lock:
             self._step_observers.remove(observer)
 
+    def call_on_device_thread(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` on the engine's device thread (torch work that must not start a second
+        OpenMP team in this process, e.g. a benchmark's probe) and return its result."""
+        return self._device_thread.call(fn, *args, **kwargs)
+
     def set_precise_timing(self, enabled: bool) -> None:
         """Synchronise the device around each stage so stage intervals are device time (CUDA)."""
         self.runner.precise_timing = enabled

@@ -18,7 +18,9 @@ stage: only tracing and profiling ask for it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .types import StageTimes
 
@@ -73,3 +75,39 @@ class StepRecord:
                 own += interval.duration
         times.other = max(0.0, self.duration - own)
         return times
+
+
+def chrome_trace(records: list[StepRecord]) -> dict:
+    """Step records as a Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev): one lane
+    of steps, one of their stages, one per request with the stages it took part in."""
+    if not records:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origin = records[0].start
+    lanes: dict[str, int] = {}
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 3)
+
+    events: list[dict] = []
+    for record in records:
+        events.append({"name": f"step {record.index}", "ph": "X", "pid": 1, "tid": 0, "ts": us(record.start),
+                       "dur": us(record.end) - us(record.start),
+                       "args": {"batch": len(record.request_ids), "accepted_len": record.accepted_len,
+                                "verified_rows": record.num_verified}})
+        for interval in record.intervals:
+            common = {"name": interval.stage, "ph": "X", "pid": 1, "ts": us(interval.start),
+                      "dur": us(interval.end) - us(interval.start)}
+            events.append({**common, "tid": 1, "args": {"requests": len(interval.request_ids)}})
+            for request_id in interval.request_ids:
+                lane = lanes.setdefault(request_id, 2 + len(lanes))
+                events.append({**common, "tid": lane, "args": {"request_id": request_id}})
+    names = {0: "engine steps", 1: "engine stages", **{lane: f"request {rid}" for rid, lane in lanes.items()}}
+    events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
+               for tid, name in names.items()]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(records: list[StepRecord], path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(records)))
+    return path

@@ -13,7 +13,6 @@ import inspect
 import json
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from dspine.replica.models.dspine_config import DraftArgs
 from dspine.replica.models.target import TargetModel
 from dspine.replica.tokenizer import Tokenizer
 from dspine_testing.models import make_target as shared_make_target
+from dspine_testing.waiting import wait_until  # noqa: F401 - the tests here import it from conftest
 
 VOCAB = 512
 CHAT_TEMPLATE = (
@@ -93,15 +93,6 @@ def plain_tokenizer(tmp_path_factory):
     return _train_tokenizer(tmp_path_factory.mktemp("tok_plain"), None)
 
 
-def wait_until(predicate, timeout: float = 20.0, interval: float = 0.01, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def idle(engine) -> bool:

@@ -202,11 +202,16 @@ def test_chat_without_template(serve, plain_tokenizer):
         assert client.generate("hi", max_new_tokens=2).finish_reason in ("stop", "length")
 
 
+def check_tokenize_detokenize_bad_input(client) -> None:
+    """Empty text, an id beyond the vocabulary (512) and a negative id: INVALID_ARGUMENT naming each."""
+    for call, field in ((lambda: client.tokenize(""), "text"),
+                        (lambda: client.detokenize([1, 512]), "token_ids[1]"),
+                        (lambda: client.detokenize([-3]), "token_ids[0]")):
+        with pytest.raises(Exception) as info:
+            call()
+        assert info.value.code == INVALID and info.value.field == field, info.value
+
+
 def test_tokenize_detokenize_bad_input(full_server):
     with DSpineClient(full_server.address, timeout=30) as client:
-        for call, field in ((lambda: client.tokenize(""), "text"),
-                            (lambda: client.detokenize([1, 512]), "token_ids[1]"),
-                            (lambda: client.detokenize([-3]), "token_ids[0]")):
-            with pytest.raises(Exception) as info:
-                call()
-            assert info.value.code == INVALID and info.value.field == field, info.value
+        check_tokenize_detokenize_bad_input(client)

@@ -108,7 +108,7 @@ def test_nine_streams_eighth_full_ninth_refused_cancel_frees_slot(serve, gate_fo
             streams = [client.generate_stream(token_ids=[3 + i, 4, 5], max_new_tokens=20, request_id=f"s{i}")
                        for i in range(8)]
             firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
-            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 8, 20, 0.01,
+            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 8, 20,
                                     "8 admitted")
             gate.allow(1)  # one step: all 8 prefill together and release their first token
             first_chunks = await asyncio.gather(*firsts)
@@ -124,7 +124,7 @@ def test_nine_streams_eighth_full_ninth_refused_cancel_frees_slot(serve, gate_fo
             streams[0].cancel()  # client cancel mid-stream
             with pytest.raises(Cancelled):
                 await streams[0].__anext__()
-            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 7, 20, 0.01, "cancel")
+            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 7, 20, "cancel")
             after = engine.num_live_states()
             assert after["target_states"] == 7 and after["draft_slots"] < full["draft_slots"]
 
@@ -222,11 +222,11 @@ def test_async_client_task_cancel_frees_slot(serve, gate_for, tokenizer):
                     pass
 
             reader = asyncio.ensure_future(consume())
-            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 1, 20, 0.01, "admit")
+            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 1, 20, "admit")
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reader
-            await asyncio.to_thread(wait_until, lambda: idle(engine), 20, 0.01, "task cancel frees the slot")
+            await asyncio.to_thread(wait_until, lambda: idle(engine), 20, "task cancel frees the slot")
             gate.open()
             result = await client.generate("def f(x):", max_new_tokens=4, ignore_eos=True)
             assert result.finish_reason == "length" and len(result.token_ids) == 4

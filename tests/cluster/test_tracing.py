@@ -123,3 +123,16 @@ def test_metrics_after_a_known_load_are_exact(serve, tokenizer):
     assert points[("dspine.requests.in_flight", ())].value == 0
     cycles = points[("dspine.spec.accepted_len", ())]
     assert cycles.count > 0 and cycles.sum <= cycles.count * 15
+
+
+def test_generate_trace_prints_the_trace_id_of_the_whole_call(serve, tokenizer, otlp, capsys):
+    from dspine.cluster.cli import main
+
+    server = serve(make_engine(tokenizer))
+    assert main(["generate", "--server", server.address, "--prompt", "def f():", "--max-new-tokens", "6",
+                 "--trace"]) == 0
+    line = [entry for entry in capsys.readouterr().err.splitlines() if entry.startswith("trace id: ")]
+    assert len(line) == 1
+    trace_id = line[0].split()[-1]
+    spans = otlp.wait_for_trace(trace_id, lambda s: {"dspine generate", "dspine.engine"} <= {x.name for x in s})
+    assert sum(s.name == "dspine.v1.DSpine/Generate" for s in spans) == 2  # the SDK's and the server's

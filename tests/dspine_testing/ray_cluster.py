@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 from dspine.cluster.config import ClusterConfig
 
@@ -22,15 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+from .waiting import wait_until as wait_for  # noqa: E402,F401 - cluster tests poll with it
 
 
 class LocalCluster:

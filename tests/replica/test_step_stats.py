@@ -65,3 +65,21 @@ def test_an_observer_that_raises_does_not_break_the_step(hybrid_target):
     engine.add_step_observer(lambda record: 1 / 0)
     result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert len(result.token_ids) == 5
+
+
+def test_chrome_trace_has_a_lane_per_request_and_every_stage(hybrid_target):
+    from dspine.replica.step_stats import chrome_trace
+
+    engine = make_engine(hybrid_target, max_seq_len=128)
+    records, stats = _run_mixed_batch(engine)
+    events = chrome_trace(records)["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert lanes == {"engine steps", "engine stages", *(f"request r{i}" for i in range(4))}
+    stage_events = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
+    assert len(stage_events) == sum(len(r.intervals) for r in records)
+    assert {e["name"] for e in stage_events} == {"prefill", "draft", "tail", "verify", "commit", "target_step"}
+    # A request's lane holds exactly its own intervals, whose durations sum to its stage times.
+    lane_r0 = {e["tid"] for e in events if e["ph"] == "X" and e.get("args", {}).get("request_id") == "r0"}
+    assert len(lane_r0) == 1
+    verify_us = sum(e["dur"] for e in events if e["tid"] in lane_r0 and e["name"] == "verify")
+    assert verify_us == pytest.approx(stats["r0"].stage_times.verify * 1e6, rel=1e-3)
