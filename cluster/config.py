@@ -106,6 +106,9 @@ class IngressSettings(_Strict):
     num_cpus: float = Field(0.1, gt=0)
     # A request whose replica died before its first token is sent once more, elsewhere.
     retry_unstarted: bool = True
+    auth_token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                       description="environment variable holding a bearer token that every call "
+                                                   "must send (authorization: Bearer ...); Serve's proxy has no auth")
 
 
 class ClusterConfig(_Strict):

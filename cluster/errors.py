@@ -10,6 +10,7 @@ RequestCancelledError                  CANCELLED
 TimeoutError (a server-side deadline)  DEADLINE_EXCEEDED
 EngineStoppedError, ReplicaLostError  UNAVAILABLE           retry on another replica
 ClusterBusyError                       RESOURCE_EXHAUSTED    every slot and queue place taken
+UnauthenticatedError                   UNAUTHENTICATED       missing or wrong bearer token
 RequestFailedError, anything else      INTERNAL              no internals leak out
 =====================================  ====================  ===========================
 
@@ -44,6 +45,10 @@ class ClusterBusyError(Exception):
     """Every replica slot and every queue place of the cluster is taken (-> RESOURCE_EXHAUSTED)."""
 
 
+class UnauthenticatedError(Exception):
+    """The call carries no valid bearer token (-> UNAUTHENTICATED)."""
+
+
 class ReplicaLostError(Exception):
     """The replica serving a request died; the request cannot be resumed (-> UNAVAILABLE)."""
 
@@ -59,6 +64,7 @@ _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
     (ReplicaLostError, grpc.StatusCode.UNAVAILABLE),
     (ClusterBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
 import time
 from typing import AsyncIterator
 
@@ -39,13 +41,28 @@ from . import tracing
 from .admission import Admission
 from .metrics import ServingMetrics, configure_metrics
 from .config import ENGINE_DEPLOYMENT, ClusterConfig
-from .errors import ClusterBusyError, ReplicaLostError, set_status
+from .errors import ClusterBusyError, ReplicaLostError, UnauthenticatedError, set_status
 
 logger = logging.getLogger(__name__)
 
 
 class StreamFailed(Exception):
     """Ends a stream whose status is already set on its grpc_context."""
+
+
+def check_bearer(metadata, expected_token: str | None) -> None:
+    """Raise :class:`UnauthenticatedError` unless ``metadata`` carries ``authorization: Bearer <token>``
+    (a no-op when no token is configured). Constant-time comparison."""
+    if not expected_token:
+        return
+    expected = f"Bearer {expected_token}".encode()
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            given = value.encode() if isinstance(value, str) else value
+            if hmac.compare_digest(given, expected):
+                return
+            break
+    raise UnauthenticatedError("missing or invalid bearer token (authorization: Bearer <token>)")
 
 
 def _translate(exc: BaseException) -> BaseException:
@@ -66,6 +83,10 @@ class DSpineIngress:
         self.config = ClusterConfig.model_validate(config)
         self.engines = engine_handle
         self.retry_unstarted = self.config.ingress.retry_unstarted
+        token_env = self.config.ingress.auth_token_env
+        self.auth_token = os.environ.get(token_env) if token_env else None
+        if token_env and not self.auth_token:
+            raise RuntimeError(f"ingress.auth_token_env: the environment variable {token_env} is empty or unset")
         self.live_engine_replicas = self.config.initial_engine_replicas
         self.admission = Admission(self.config.engine.max_concurrency, self.config.replicas.max_queued_requests,
                                    lambda: self.live_engine_replicas)
@@ -111,9 +132,10 @@ class DSpineIngress:
         start = time.perf_counter()
         span = self._span(rpc or method, request, grpc_context) if method == "generate" else None
         try:
+            check_bearer(grpc_context.invocation_metadata(), self.auth_token)
             async with self.admission.admit():
                 return await self._forward_unary(method, request, grpc_context, response_type, span)
-        except ClusterBusyError as e:
+        except (ClusterBusyError, UnauthenticatedError) as e:
             set_status(grpc_context, e)
             return response_type()
         finally:
@@ -155,13 +177,14 @@ class DSpineIngress:
         span = self._span("GenerateStream", request, grpc_context)
         code, error = "OK", None
         try:
+            check_bearer(grpc_context.invocation_metadata(), self.auth_token)
             async with self.admission.admit():
                 async with contextlib.aclosing(self._forward_stream(request, grpc_context, span)) as messages:
                     async for message in messages:
                         yield message
-        except ClusterBusyError as e:
-            set_status(grpc_context, e)
-            code, error = "RESOURCE_EXHAUSTED", str(e)
+        except (ClusterBusyError, UnauthenticatedError) as e:
+            code = set_status(grpc_context, e).name
+            error = str(e)
             raise StreamFailed(str(e)) from None
         except StreamFailed as e:
             code, error = (grpc_context.code().name if grpc_context.code() else "UNKNOWN"), str(e)

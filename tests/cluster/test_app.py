@@ -55,7 +55,8 @@ def cluster(tmp_path_factory, tokenizer_dir, otlp):
     # Serve's own tracing, through the environment of every Ray process (the tracing_config
     # option does not reach the proxy in Ray 2.60): proxy and replica spans join the trace.
     os.environ.update({"RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": "dspine.cluster.tracing:span_processors",
-                       "RAY_SERVE_TRACING_SAMPLING_RATIO": "1.0", "OTEL_SERVICE_NAME": "dspine-cluster"})
+                       "RAY_SERVE_TRACING_SAMPLING_RATIO": "1.0", "OTEL_SERVICE_NAME": "dspine-cluster",
+                       "DSPINE_TEST_TOKEN": "s3cret"})
     cluster = LocalCluster(num_cpus=12, max_message_bytes=TINY_MAX_MESSAGE)
     try:
         common = {"engine": {"device": "cpu", "dtype": "float32"}}
@@ -68,6 +69,8 @@ def cluster(tmp_path_factory, tokenizer_dir, otlp):
         cluster.deploy(cluster.config(app_name="tiny", model={"target_dir": str(full), "draft_dir": str(draft)},
                                       engine=tiny_engine))
         cluster.deploy(cluster.config(app_name="bare", model={"target_dir": str(bare)}, engine=tiny_engine))
+        cluster.deploy(cluster.config(app_name="authed", model={"target_dir": str(bare)}, engine=tiny_engine,
+                                      ingress={"auth_token_env": "DSPINE_TEST_TOKEN"}))
         yield cluster
     finally:
         cluster.close()
@@ -384,3 +387,17 @@ def test_server_capabilities_through_the_cluster(cluster, message, code, field):
 def test_tokenize_detokenize_bad_input_through_the_cluster(cluster):
     with DSpineClient(cluster.address, application="tiny", timeout=60, retry=NO_RETRY) as client:
         check_tokenize_detokenize_bad_input(client)
+
+
+def test_bearer_token_is_checked_by_the_ingress(cluster):
+    from dspine.cluster.client_errors import Unauthenticated
+
+    for token in (None, "wrong"):
+        with DSpineClient(cluster.address, application="authed", token=token, timeout=30, retry=NO_RETRY) as client:
+            with pytest.raises(Unauthenticated):
+                client.generate(token_ids=[1, 2, 3], max_new_tokens=2)
+            with pytest.raises(Unauthenticated):
+                list(client.generate_stream(token_ids=[1, 2, 3], max_new_tokens=2))
+    with DSpineClient(cluster.address, application="authed", token="s3cret", timeout=30) as client:
+        assert len(client.generate(token_ids=[1, 2, 3], max_new_tokens=2).token_ids) == 2
+        assert client.info().vocab_size > 0
