@@ -1,6 +1,6 @@
 """``values.schema.json`` of the Helm chart, generated: its ``cluster`` part *is* ClusterConfig's schema.
 
-    python -m dspine.cluster.helm_schema           # rewrite helm/dspine/values.schema.json
+    python -m dspine.cluster.helm_schema           # rewrite helm/dspine/values.schema.json (from the repo root)
     python -m dspine.cluster.helm_schema --check   # exit 1 when it is stale
 
 The rest of the chart's values (image, models, head, worker, ...) is
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .config import ClusterConfig
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "helm" / "dspine" / "values.schema.json"
+# Relative to the repository root (the chart is not part of the installed package).
+SCHEMA_PATH = Path("helm") / "dspine" / "values.schema.json"
 
 
 def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
@@ -81,14 +82,15 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--path", type=Path, default=SCHEMA_PATH, help="the chart's values.schema.json")
     args = parser.parse_args(argv)
     if args.check:
-        stale = not SCHEMA_PATH.exists() or SCHEMA_PATH.read_text() != render()
+        stale = not args.path.exists() or args.path.read_text() != render()
         if stale:
-            print(f"stale: {SCHEMA_PATH} (run python -m dspine.cluster.helm_schema)", file=sys.stderr)
+            print(f"stale: {args.path} (run python -m dspine.cluster.helm_schema)", file=sys.stderr)
         return 1 if stale else 0
-    SCHEMA_PATH.write_text(render())
-    print(f"wrote {SCHEMA_PATH}")
+    args.path.write_text(render())
+    print(f"wrote {args.path}")
     return 0
 
 

@@ -131,6 +131,7 @@ class DSpineIngress:
         self._watch_replicas()
         start = time.perf_counter()
         span = self._span(rpc or method, request, grpc_context) if method == "generate" else None
+        cancelled = False
         try:
             check_bearer(grpc_context.invocation_metadata(), self.auth_token)
             async with self.admission.admit():
@@ -138,9 +139,12 @@ class DSpineIngress:
         except (ClusterBusyError, UnauthenticatedError) as e:
             set_status(grpc_context, e)
             return response_type()
+        except asyncio.CancelledError:  # client cancel, deadline, request_timeout_s
+            cancelled = True
+            raise
         finally:
             code = grpc_context.code()
-            code_name = code.name if code else "OK"
+            code_name = "CANCELLED" if cancelled else (code.name if code else "OK")
             if span is not None:
                 span.finish(code_name, grpc_context.details() if code else None)
             if self.metrics is not None and method == "generate":
