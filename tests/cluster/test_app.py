@@ -401,3 +401,52 @@ def test_bearer_token_is_checked_by_the_ingress(cluster):
     with DSpineClient(cluster.address, application="authed", token="s3cret", timeout=30) as client:
         assert len(client.generate(token_ids=[1, 2, 3], max_new_tokens=2).token_ids) == 2
         assert client.info().vocab_size > 0
+
+
+def _first_stopping_time(timeout_s: float) -> float | None:
+    """time.monotonic() when Serve first reported an engine replica of MAIN as STOPPING."""
+    from ray import serve
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        deployment = serve.status().applications[MAIN].deployments["EngineReplica"]
+        if deployment.replica_states.get("STOPPING", 0):
+            return time.monotonic()
+        time.sleep(0.1)
+    return None
+
+
+def test_redeploy_drains_in_flight_streams(cluster, reference_engine):
+    # A new config (here: one replica fewer) replaces the replicas; Serve stops the old ones only
+    # after their in-flight requests finished (graceful_shutdown_timeout_s), so no stream breaks.
+    prompts = PROMPTS[12:16]
+    n_tokens = 1200  # long enough to still run while the old replicas are being stopped
+    expected_prefix = {p: _greedy(reference_engine, p, 64, ignore_eos=True) for p in prompts}
+
+    async def run():
+        async with AsyncDSpineClient(cluster.address, application=MAIN, timeout=300, retry=NO_RETRY) as client:
+            streams = [client.generate_stream(p, max_new_tokens=n_tokens, ignore_eos=True) for p in prompts]
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+
+            async def rest(stream, first):
+                tokens = list(first.token_ids)
+                async for chunk in stream:
+                    tokens += chunk.token_ids
+                return tokens, time.monotonic()
+
+            tasks = [asyncio.create_task(rest(s, f)) for s, f in zip(streams, firsts)]
+            watcher = asyncio.create_task(asyncio.to_thread(_first_stopping_time, 120))
+            await asyncio.to_thread(cluster.deploy, cluster.config(
+                app_name=MAIN, engine={"device": "cpu", "dtype": "float32"},
+                replicas={"num_replicas": 1, "max_queued_requests": 16, "health_check_period_s": 1.0}))
+            return await asyncio.gather(*tasks), await watcher
+
+    results, stopping_since = asyncio.run(run())
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert len(tokens) == n_tokens and tokens[:64] == expected_prefix[prompt]
+    # The test has teeth only if an old replica was told to stop while streams still ran on it.
+    assert stopping_since is not None and stopping_since < max(end for _, end in results), \
+        "no replica was stopping while the streams ran: nothing was drained"
+    with DSpineClient(cluster.address, application=MAIN, timeout=60) as client:
+        assert client.generate(prompts[0], max_new_tokens=8).token_ids == expected_prefix[prompts[0]][:8]
+    wait_for(lambda: len(cluster.loads(MAIN)) == 1, 60, "the old replicas to stop")
