@@ -205,8 +205,9 @@ def test_deadline_while_queued_and_cancel_free_the_slot(cluster):
             return waited, loads
 
     waited, loads_while_full = asyncio.run(run())
-    assert 0.9 < waited < 3.0, waited
-    assert loads_while_full[0]["in_flight"] == 2
+    # At its deadline, not after the holders (2000 tokens each, well over 10 s here) made room.
+    assert 0.9 < waited < 5.0, waited
+    assert loads_while_full[0]["in_flight"] == 2, loads_while_full
     wait_for(lambda: cluster.idle(SMALL), 10, "cancelled streams to free their slots")
 
 
