@@ -95,7 +95,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-def _status_and_trailers(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+def describe(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """``(code, details, trailing metadata)`` of ``exc``: what :func:`abort` and :func:`set_status` send."""
     code, details = status_for(exc)
     named = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
     field = error_field(exc) if named else None
@@ -103,9 +104,10 @@ def _status_and_trailers(exc: BaseException) -> tuple[grpc.StatusCode, str, tupl
     return code, details, trailing
 
 
-async def abort(context, exc: BaseException):
-    """Abort the RPC of ``context`` (a ``grpc.aio.ServicerContext``) with the status of ``exc``."""
-    code, details, trailing = _status_and_trailers(exc)
+async def abort(context, exc: BaseException, described=None):
+    """Abort the RPC of ``context`` (a ``grpc.aio.ServicerContext``) with the status of ``exc``
+    (``described``: its :func:`describe`, when the caller already has it)."""
+    code, details, trailing = described or describe(exc)
     await context.abort(code, details, trailing_metadata=trailing)
 
 
@@ -114,7 +116,7 @@ def set_status(grpc_context, exc: BaseException) -> grpc.StatusCode:
 
     Serve keeps a code set by the handler (a plain exception would become
     INTERNAL with a Ray traceback in the details)."""
-    code, details, trailing = _status_and_trailers(exc)
+    code, details, trailing = describe(exc)
     grpc_context.set_code(code)
     grpc_context.set_details(details)
     if trailing:

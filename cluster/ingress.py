@@ -118,11 +118,7 @@ class DSpineIngress:
     def _span(self, rpc: str, request, grpc_context) -> tracing.RequestSpan:
         """The RPC's span: under Serve's replica span when Ray tracing is on, else continuing the
         caller's W3C context from the metadata."""
-        from opentelemetry import trace
-
-        parent = None
-        if not trace.get_current_span().get_span_context().is_valid:
-            parent = tracing.context_from_metadata(grpc_context.invocation_metadata())
+        parent = tracing.parent_context(grpc_context.invocation_metadata())
         return tracing.RequestSpan(rpc, request, self.config.model.name or "dspine", parent)
 
     async def _unary(self, method: str, request, grpc_context, response_type, rpc: str = ""):

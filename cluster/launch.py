@@ -29,9 +29,8 @@ def use_ray_token_auth() -> None:
 
 def local_num_cpus(config: ClusterConfig) -> int:
     """Logical CPUs for a local Ray instance: what the deployments reserve, at least the machine's."""
-    replicas = config.replicas
-    engines = replicas.autoscaling.max_replicas if replicas.autoscaling else replicas.num_replicas
-    needed = engines * replicas.num_cpus + config.ingress.num_replicas * config.ingress.num_cpus
+    needed = (config.max_engine_replicas * config.replicas.num_cpus
+              + config.ingress.num_replicas * config.ingress.num_cpus)
     return max(os.cpu_count() or 1, math.ceil(needed + 0.5))
 
 
@@ -61,12 +60,10 @@ def engine_replica_actors(app_name: str) -> list[tuple[str, object]]:
 
     prefix = f"SERVE_REPLICA::{app_name}#{ENGINE_DEPLOYMENT}#"
     actors = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name = entry["name"] if isinstance(entry, dict) else entry
-        namespace = entry.get("namespace", SERVE_NAMESPACE) if isinstance(entry, dict) else SERVE_NAMESPACE
-        if name.startswith(prefix):
+    for entry in ray.util.list_named_actors(all_namespaces=True):  # [{"name": ..., "namespace": ...}]
+        if entry["name"].startswith(prefix):
             try:
-                actors.append((name[len(prefix):], ray.get_actor(name, namespace=namespace)))
+                actors.append((entry["name"][len(prefix):], ray.get_actor(entry["name"], namespace=entry["namespace"])))
             except ValueError:  # died between the listing and the lookup
                 continue
     return actors

@@ -17,6 +17,7 @@ Nothing here touches tensors; the engine does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -43,18 +44,10 @@ def _replica_id() -> str | None:
         return None
 
 
-def _trace_context(carrier: dict | None):
-    """Parent of the engine spans: Serve's replica span when Ray tracing is on, else the
-    ingress's span carried over the handle call; None when nothing is traced."""
-    if not tracing.enabled():
-        return None
-    from opentelemetry import trace
-
-    if trace.get_current_span().get_span_context().is_valid:
-        from opentelemetry import context
-
-        return context.get_current()
-    return tracing.context_from_metadata(carrier.items()) if carrier else None
+def _engine_parent(carrier: dict | None):
+    """Parent of the engine spans (None when nothing is traced): Serve's replica span when Ray
+    tracing is on, else the ingress's span carried over the handle call."""
+    return tracing.parent_context(carrier.items() if carrier else ()) if tracing.enabled() else None
 
 
 class EngineReplica:
@@ -78,11 +71,11 @@ class EngineReplica:
 
     # ------------------------------------------------------------ service
     async def generate(self, request: pb.GenerateRequest, trace_carrier: dict | None = None) -> pb.GenerateResponse:
-        return await self.service.generate(request, _trace_context(trace_carrier))
+        return await self.service.generate(request, _engine_parent(trace_carrier))
 
     async def generate_stream(self, request: pb.GenerateRequest, trace_carrier: dict | None = None
                               ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for message in self.service.generate_stream(request, _trace_context(trace_carrier)):
+        async for message in self.service.generate_stream(request, _engine_parent(trace_carrier)):
             yield message
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
@@ -98,21 +91,8 @@ class EngineReplica:
     def load(self) -> dict:
         """The engine's load snapshot plus where this replica runs (pid, host)."""
         load = self.engine.load()
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "in_flight": load.in_flight,
-            "max_concurrency": load.max_concurrency,
-            "free_slots": load.free_slots,
-            "peak_in_flight": load.peak_in_flight,
-            "free_draft_slots": load.free_draft_slots,
-            "draft_slots": load.draft_slots,
-            "live_target_states": load.live_target_states,
-            "recent_accepted_len": round(load.recent_accepted_len, 4),
-            "num_steps": load.num_steps,
-            "num_finished": load.num_finished,
-            "healthy": self._health_error() is None,
-        }
+        return {**dataclasses.asdict(load), "free_slots": load.free_slots, "pid": os.getpid(),
+                "host": socket.gethostname(), "healthy": self._health_error() is None}
 
     def record_routing_stats(self) -> dict:
         """Serve polls this (``request_routing_stats_period_s``) and hands it to the router."""

@@ -41,7 +41,7 @@ from dspine.replica.types import RequestStats, StreamChunk
 
 from . import tracing
 from .chat import ChatTemplate
-from .errors import abort, status_for
+from .errors import abort, describe
 from .validation import (
     GenerateInput,
     PreparedRequest,
@@ -380,9 +380,9 @@ class DSpineServicer(pb_grpc.DSpineServicer):
             code, error = "CANCELLED", "the call was cancelled"
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status here, in errors.py
-            status, details = status_for(e)
-            code, error = status.name, details
-            await abort(context, e)
+            described = describe(e)  # once: an unexpected error is logged with its traceback once
+            code, error = described[0].name, described[1]
+            await abort(context, e, described)
         finally:
             span.finish(code, error)
             if self.service.metrics is not None:

@@ -114,6 +114,14 @@ def context_from_metadata(metadata: Iterable[tuple[str, str]] | None):
     return propagate.extract(carrier)
 
 
+def parent_context(metadata: Iterable[tuple[str, str]] | None):
+    """The parent of a new span: the current context when a span is active (Serve's own, with Ray
+    tracing on), else the W3C context carried in ``metadata`` (a client's, or the ingress's)."""
+    if trace.get_current_span().get_span_context().is_valid:
+        return otel_context.get_current()
+    return context_from_metadata(metadata)
+
+
 def carrier_of(ctx=None) -> dict[str, str]:
     """``ctx`` (default: the current context) as a W3C carrier, to cross a process boundary."""
     carrier: dict[str, str] = {}
