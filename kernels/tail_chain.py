@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 
 import torch
+
+from dspine import faults
 from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 __all__ = ["tail_chain", "tail_chain_triton", "tail_chain_ref", "predecessor_slots"]
@@ -158,6 +160,8 @@ def _greedy_chain_ref(scores, cand_ids):
 def predecessor_slots(choice: torch.Tensor) -> torch.Tensor:
     """``[NB, T]`` slot j of the table row each chain row reads: 0 for row 1 (every predecessor is
     the anchor), then the previous row's choice. choice [NB, T] int64."""
+    if faults.active("tail.q_from_wrong_row"):
+        return choice
     return torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)
 
 

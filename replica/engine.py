@@ -136,11 +136,14 @@ class Engine:
         from .tail import TailTables
 
         args = self.drafter.args
+        # The default sizes hold every admitted request at its largest; the + 1 is the pool's
+        # padding sink (slot 0, never allocated). Without it 8 ring requests that all reach a full
+        # window need one slot more than exists, and one of them fails.
         if self.config.draft_pool == "ring":
-            slots = self.config.draft_pool_tokens or self.config.max_concurrency * args.window
+            slots = self.config.draft_pool_tokens or self.config.max_concurrency * args.window + 1
             pool = RingDraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         else:
-            slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len
+            slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len + 1
             pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         mode = self.config.retrieval_mode
         tables = TailTables.from_drafter(self.drafter, fp8_retrieval=mode == "fp8", bf16_retrieval=mode == "bf16")

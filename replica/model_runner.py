@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from dspine import faults
+
 from . import sampling, verify
 from .config import EngineConfig
 from .request import Request
@@ -238,6 +240,10 @@ class ModelRunner:
             return verify.verify_greedy(draft_ids, target_logits, num_draft=ragged)
         greedy = torch.tensor([r.params.is_greedy for r in batch], device=self.device)
         temperature, top_k, top_p = self._param_tensors(batch)
+        if faults.active("runner.p_without_temperature"):
+            temperature = torch.where(temperature > 0, 1.0, temperature)
+        if faults.active("runner.p_without_top_p"):
+            top_p = torch.ones_like(top_p)
         target_probs = sampling.probabilities(
             target_logits.reshape(nb * bs, vocab),
             temperature.repeat_interleave(bs), top_k.repeat_interleave(bs), top_p.repeat_interleave(bs),

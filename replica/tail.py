@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspine import faults
 from dspine.kernels import (fp8_head_topk, head_topk_bf16, head_topk_exact, precompute_tail_tables, quantize_head_fp8,
                             tail_chain)
 from dspine.kernels import tail_tables as _tail_tables_op
@@ -221,6 +222,8 @@ def chain_confidence(scores: torch.Tensor, choice: torch.Tensor) -> torch.Tensor
     nb, rows, k, _ = scores.shape
     pred = predecessor_slots(choice)
     table = scores.gather(2, pred[:, :, None, None].expand(nb, rows, 1, k)).squeeze(2)  # [NB, BS-1, K]
+    if faults.active("tail.confidence_reads_own_draw"):
+        return table.float().softmax(-1).gather(2, choice[:, :, None]).squeeze(2)
     return table.float().softmax(-1).amax(-1)
 
 

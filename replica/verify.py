@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspine import faults
 from dspine.replica.sampling import sample
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "VerifyResult", "verify_greedy", "verify_sampled"]
@@ -217,6 +218,8 @@ def verify_sampled(
     else:
         q_y = draft_q.gather(2, y[:, :, None]).squeeze(2).to(f64)  # [B, K]
     accept = uniforms_accept.to(f64) * q_y < p_y  # [B, K]
+    if faults.active("verify.always_accept"):
+        accept = torch.ones_like(accept)
 
     if greedy is not None:
         target_ids = target_probs.argmax(dim=-1)  # [B, K+1], ties to the lower id
@@ -228,7 +231,8 @@ def verify_sampled(
     p_row = target_probs.gather(1, accepted_len[:, None, None].expand(b, 1, v)).squeeze(1).to(f64)  # [B, V]
     if k > 0:
         t_star = accepted_len.clamp(max=k - 1)
-        rejected = (accepted_len < (k if num_draft is None else num_draft))[:, None]
+        truncated_bonus_is_rejection = faults.active("verify.bonus_from_residual")
+        rejected = (accepted_len < (k if num_draft is None or truncated_bonus_is_rejection else num_draft))[:, None]
         if sparse:
             c = draft_q.shape[2]
             q_vals = draft_q.gather(1, t_star[:, None, None].expand(b, 1, c)).squeeze(1).to(f64)
@@ -237,6 +241,8 @@ def verify_sampled(
         else:
             q_row = draft_q.gather(1, t_star[:, None, None].expand(b, 1, v)).squeeze(1).to(f64)
         q_row = torch.where(rejected, q_row, 0.0)
+        if faults.active("verify.recover_from_p"):
+            q_row = torch.zeros_like(q_row)
         dist = (p_row - q_row).clamp_(min=0.0)
         degenerate = (dist.sum(dim=1) <= 0)[:, None]
         dist = torch.where(degenerate, p_row, dist)

@@ -169,3 +169,18 @@ def test_generate_many_while_the_background_loop_steps(build, hybrid_target):
         engine.shutdown(timeout=30)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference_generate(hybrid_target, prompt, PARAMS.max_new_tokens)
+
+
+@pytest.mark.parametrize("draft_pool", ["dense", "ring"])
+def test_default_draft_pool_holds_every_request_at_its_largest(build, hybrid_target, draft_pool):
+    """8 ring requests at a full window (or 8 dense ones at max_seq_len) fit the default pool:
+    sizing it without the padding sink left one slot short, and the eighth request failed."""
+    engine = build.engine(hybrid_target, window=6, draft_pool=draft_pool, max_seq_len=40)
+    per_request = 6 if draft_pool == "ring" else 40
+    assert engine.runner.draft_pool.capacity >= 8 * per_request
+    prompts = [_prompt(512, 12, seed) for seed in range(8)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40 - 12, ignore_eos=True)
+    results = engine.generate_many(prompts, params, speculative=True)  # all 8 in flight, windows full
+    assert [r.finish_reason for r in results] == ["length"] * 8
+    assert engine.stats.peak_draft_pool_used >= 8 * 6
+    assert engine.num_live_states() == IDLE

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from dspine_testing.distill import distilled_pair
 
-from dspine.replica import SamplingParams
+from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
 from dspine.replica.tail import Proposal
 
@@ -123,3 +126,79 @@ def test_dynamic_verification_with_ragged_lengths(build, preset):
     assert len(verified_lengths) >= 3  # the threshold really cut blocks at different lengths
     assert max(verified_lengths) < 15
     assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+
+
+# ------------------------------------------------- a drafter with real, partial acceptance
+# The random drafter above accepts 0 tokens in nearly every cycle. The pair below (a predictable
+# tiny target and a drafter distilled toward it in seconds, dspine_testing.distill) runs the real
+# draft path with cycles that end anywhere in the block, so mid-block rejection, the bonus after a
+# full block and the commit of every accepted length reach the engine.
+NUM_ROWS = 15  # draft rows per block (block size 16)
+DISTILLED_GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+# Drafter seeds for which the 256 prompts below end cycles at every row (rows 9-13 are rare: a
+# block that gets 9 rows right usually gets all of them right).
+DISTILL_SEED = {"tiny": 2, "tiny-qwen3": 1}
+
+
+def _pair(preset: str):
+    return distilled_pair(preset, window=16, seed=DISTILL_SEED[preset])
+
+
+@functools.lru_cache(maxsize=None)
+def _distilled_reference(preset: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    target, _ = _pair(preset)
+    return reference_generate(target, list(prompt), max_new_tokens)
+
+
+def _distilled_run(preset, prompts, verify_threshold, draft_pool="dense", retrieval="exact",
+                   params=DISTILLED_GREEDY, baseline="reference"):
+    """Run ``prompts`` speculatively; returns (per-cycle (verified, accepted), engine) after checking
+    every output against target-only greedy decoding (``baseline``: the stateless reference, or the
+    engine's own target-only path, which is faster for many prompts) and that nothing leaked."""
+    target, drafter = _pair(preset)
+    engine = Engine(target, drafter, None, EngineConfig(device="cpu", dtype="float32", draft_pool=draft_pool,
+                                                        retrieval=retrieval, verify_threshold=verify_threshold))
+    cycles: list[tuple[int, int]] = []
+    engine.add_step_observer(
+        lambda record: cycles.extend((record.num_verified[r], record.accepted_len[r]) for r in record.accepted_len))
+    results = engine.generate_many(prompts, params, speculative=True)
+    if baseline == "reference":
+        expected = [_distilled_reference(preset, tuple(p), params.max_new_tokens) for p in prompts]
+    else:
+        expected = [r.token_ids for r in engine.generate_many(prompts, params, speculative=False)]
+    for result, want in zip(results, expected):
+        assert result.token_ids == want
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    return cycles, engine
+
+
+@pytest.mark.parametrize("retrieval", ["exact", "bf16", "fp8"])
+@pytest.mark.parametrize("draft_pool", ["dense", "ring"])
+@pytest.mark.parametrize("verify_threshold", [0.0, 0.05], ids=["whole-block", "dynamic"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_distilled_drafter_greedy_equals_reference(preset, batch, verify_threshold, draft_pool, retrieval):
+    # 32 new tokens after prompts of up to 29 run past the 16-position window of the ring pool
+    prompts = _prompts(64, [3, 17, 5, 29, 1, 11, 8, 23][:batch], seed=2)
+    cycles, engine = _distilled_run(preset, prompts, verify_threshold, draft_pool, retrieval)
+    tables = engine.runner.tail_tables
+    assert (tables.head_fp8 is not None) == (retrieval == "fp8")
+    assert (tables.head_bf16 is not None) == (retrieval == "bf16")
+    accepted = {a for _, a in cycles}
+    if batch == 8:
+        assert 0 in accepted and accepted - {0, NUM_ROWS}, sorted(accepted)  # rejections, also mid-block
+    if verify_threshold == 0.0:
+        assert {v for v, _ in cycles} == {NUM_ROWS}
+
+
+@pytest.mark.parametrize("verify_threshold", [0.0, 0.05], ids=["whole-block", "dynamic"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
+def test_cycles_accept_every_length_from_0_to_15(preset, verify_threshold):
+    """Over 256 prompts at batch 8, every accepted length 0..15 occurs, with identical output."""
+    lengths = torch.randint(1, 30, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = _prompts(64, lengths, seed=1)
+    cycles, _ = _distilled_run(preset, prompts, verify_threshold, baseline="target-only")
+    histogram = [sum(1 for _, a in cycles if a == n) for n in range(NUM_ROWS + 1)]
+    assert all(histogram), histogram
+    if verify_threshold > 0:
+        assert any(v < NUM_ROWS for v, _ in cycles)  # dynamic verification really cut blocks
