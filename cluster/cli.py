@@ -30,6 +30,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "is >= this (0: the whole block; default: the engine's)")
     parser.add_argument("--retrieval", default="auto", choices=["auto", "exact", "fp8", "bf16"],
                         help="the tail's candidate retrieval (auto: fp8 on cuda, bf16 on CPUs with native bf16)")
+    parser.add_argument("--no-adaptive", action="store_true",
+                        help="draft every step for every speculative request (adaptive speculation off)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--json", action="store_true")
     bench_engine.add_argument("--trace-out", help="write the first repeat's engine steps as a Chrome/Perfetto "
                                                   "trace (JSON; open in ui.perfetto.dev)")
+    bench_engine.add_argument("--sweep", action="store_true",
+                              help="run the regimes of the speculation policy (greedy, first 48 tokens, sampled, "
+                                   "8 in flight), target-only and speculative interleaved, and print one table")
     bench_engine.add_argument("--tracing", action="store_true",
                               help="also measure decode time with tracing on vs off (paired, same run)")
     bench_cluster = bench_kinds.add_parser("cluster", help="the serving path (standalone server, Ray cluster with "
@@ -178,6 +183,8 @@ def _engine_config(args, **extra):
     from dspine.replica import EngineConfig
 
     knobs = dict(device=args.device, dtype=args.dtype, retrieval=args.retrieval, **extra)
+    if getattr(args, "no_adaptive", False):
+        knobs["adaptive_speculation"] = False
     if args.verify_threshold is not None:
         knobs["verify_threshold"] = args.verify_threshold
     return EngineConfig(**knobs)
@@ -384,6 +391,12 @@ def cmd_bench(args) -> int:
     from dspine.replica import Engine, SamplingParams
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
+    if args.sweep:
+        engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=8))
+        rows = bench.bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                                 repeats=args.repeats, seed=0 if args.seed is None else args.seed)
+        print(json.dumps(rows, indent=2) if args.json else bench.format_sweep(rows))
+        return 0
     engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=max(args.concurrency, 1)))
     report = bench.bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,
                                 prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,

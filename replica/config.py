@@ -33,6 +33,11 @@ class EngineConfig:
     # confidences of rows 1..t (each row's top candidate probability given the chosen previous
     # token, never its own draw) is >= this (0: always the whole block). Lossless either way.
     verify_threshold: float = 0.05
+    # Adaptive speculation (replica/speculation_policy.py): each step, verify per request only the
+    # draft rows whose expected tokens pay for their measured cost, or decode target-only when
+    # drafting does not pay (probing again later). Off: every speculative request drafts every
+    # step. Lossless either way.
+    adaptive_speculation: bool = True
     # torch intra-op threads of the engine's device thread; None -> those of the thread that
     # builds the engine. A CPU replica sharing a machine with others sets it to its CPU share.
     num_threads: int | None = None

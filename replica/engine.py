@@ -33,6 +33,7 @@ from .model_runner import ModelRunner
 from .request import Request
 from .sampling import SamplingParams
 from .scheduler import FcfsScheduler, RequestEvent
+from .speculation_policy import SpeculationPolicy
 from .step_stats import StepRecord
 from .stopping import StopChecker
 from .types import GenerationResult, RequestStatus, SpecDecodingStats, StageTimes, StreamChunk
@@ -97,7 +98,10 @@ class Engine:
         self.block_size = drafter.args.block_size if drafter is not None else 0
         draft_pool, tail_tables = self._device_thread.call(self._build_draft_side)
         self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
-        self.scheduler = FcfsScheduler(config.max_concurrency)
+        policy = None
+        if drafter is not None and config.adaptive_speculation:
+            policy = SpeculationPolicy(self.block_size - 1)
+        self.scheduler = FcfsScheduler(config.max_concurrency, policy)
         self.stats = EngineStats(spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
         self._lock = threading.RLock()
         self._sinks: dict[str, Callable[[StreamChunk], None]] = {}

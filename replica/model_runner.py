@@ -46,11 +46,15 @@ class ModelRunner:
         # Synchronise the device around each stage so its interval is device time (CUDA only;
         # off unless tracing or profiling asks: an untraced engine pays nothing for timing).
         self.precise_timing = False
+        self._draft_rows: dict[str, int] = {}  # this step's plan (SchedulerOutput.draft_rows)
+        # request_id -> features [1, F, H] of committed positions not yet in its draft context
+        self._deferred_context: dict[str, list[torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ step
     def execute(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
         """Run one step for the scheduled requests; never raises for a per-request failure."""
         out = RunnerOutput.make_empty()
+        self._draft_rows = scheduler_output.draft_rows
         self.free(scheduler_output.finished_ids)
         if scheduler_output.prefill_ids:
             self._isolated(self._prefill, scheduler_output.prefill_ids, requests, out)
@@ -69,6 +73,7 @@ class ModelRunner:
             if state is not None:
                 state.release()
             self.generators.pop(request_id, None)
+            self._deferred_context.pop(request_id, None)
             if self.draft_pool is not None and self.draft_pool.has_request(request_id):
                 self.draft_pool.free_request(request_id)
 
@@ -160,9 +165,19 @@ class ModelRunner:
         with self._timed(out, "target_step", request_ids):
             states = [self.states[r] for r in request_ids]
             inputs = torch.tensor([[r.pending_token_id] for r in batch], dtype=torch.long, device=self.device)
-            result = self.target.forward_step(inputs, states)
+            # A speculative request decoding target-only this step (adaptive speculation) keeps the
+            # features of the position for its drafter: they are appended to its draft context in
+            # one batch when it next drafts (appending one position per step would cost a drafter
+            # pass per token), or once a window's worth has piled up.
+            drafting = [b for b, r in enumerate(batch) if r.speculative and self.draft_pool is not None
+                        and self.draft_pool.has_request(r.request_id)]
+            result = self.target.forward_step(inputs, states, feature_layers=self.feature_layers if drafting else ())
             self.target.commit(states, [1] * len(batch))
             tokens = self._sample(result.logits[:, 0], batch)
+            for b in drafting:  # last: a failure above retries this stage without a duplicate
+                self._deferred_context.setdefault(request_ids[b], []).append(result.features[b, :1].clone())
+            self._flush_context([request_ids[b] for b in drafting
+                                 if len(self._deferred_context[request_ids[b]]) >= self.drafter.args.window])
         for request, token in zip(batch, tokens):
             out.new_token_ids[request.request_id] = [token]
 
@@ -176,6 +191,7 @@ class ModelRunner:
 
         with self._timed(out, "draft", request_ids):
             self._fault("draft", request_ids)
+            self._flush_context(request_ids)
             draft_out = self.drafter.draft(self.draft_pool, request_ids, anchors)
         with self._timed(out, "tail", request_ids):
             self._fault("tail", request_ids)
@@ -183,7 +199,7 @@ class ModelRunner:
         with self._timed(out, "verify", request_ids):
             self._fault("verify", request_ids)
             states = [self.states[r] for r in request_ids]
-            num_verified = self._verify_lengths(proposal)  # [NB] draft tokens each request verifies
+            num_verified = self._verify_lengths(proposal, request_ids)  # [NB] draft tokens each request verifies
             block = torch.cat([anchors[:, None], proposal.draft_ids], dim=1)  # [NB, BS]
             lengths = num_verified.tolist()
             if min(lengths) == max(lengths):
@@ -210,6 +226,13 @@ class ModelRunner:
             )
 
 
+    def _flush_context(self, request_ids: list[str]) -> None:
+        """Append the deferred positions of these requests to their draft contexts (one drafter pass)."""
+        pending = [(r, self._deferred_context.pop(r)) for r in request_ids if r in self._deferred_context]
+        if pending:
+            self.drafter.append_context(self.draft_pool, [r for r, _ in pending],
+                                        [torch.cat(features) for _, features in pending])
+
     def propose(self, request_ids, requests, draft_out, anchors, params, generators):
         """The tail's proposal for the batch; tests replace this to force acceptance patterns."""
         from . import tail
@@ -218,14 +241,20 @@ class ModelRunner:
         return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators,
                             with_confidence=self.config.verify_threshold > 0)
 
-    def _verify_lengths(self, proposal) -> torch.Tensor:
-        """[NB] int64: dynamic verification lengths (the whole block without a confidence)."""
+    def _verify_lengths(self, proposal, request_ids: list[str]) -> torch.Tensor:
+        """[NB] int64: draft rows each request verifies: the step's plan, cut further by the
+        confidence threshold (the whole block without either)."""
         from . import tail
 
+        nb, num_draft = proposal.draft_ids.shape
         if proposal.confidence is None:
-            nb, num_draft = proposal.draft_ids.shape
-            return torch.full((nb,), num_draft, dtype=torch.int64, device=proposal.draft_ids.device)
-        return tail.verify_lengths(proposal.confidence, self.config.verify_threshold)
+            lengths = torch.full((nb,), num_draft, dtype=torch.int64, device=proposal.draft_ids.device)
+        else:
+            lengths = tail.verify_lengths(proposal.confidence, self.config.verify_threshold)
+        if self._draft_rows:
+            planned = [self._draft_rows.get(r, num_draft) for r in request_ids]
+            lengths = torch.minimum(lengths, torch.tensor(planned, dtype=torch.int64, device=lengths.device))
+        return lengths
 
     def _verify(self, proposal, target_logits: torch.Tensor, batch: list[Request], generators,
                 num_verified: torch.Tensor):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .errors import EngineFullError
 from .request import Request
+from .speculation_policy import SpeculationPolicy
 from .stopping import Release
 from .types import RequestStatus, RunnerOutput, SchedulerOutput
 
@@ -40,6 +41,22 @@ class SchedulerInterface(abc.ABC):
         """Apply the runner's tokens, run stop checks, finish requests; returns per-request events."""
 
     @abc.abstractmethod
+    def _observe(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        """Feed the policy this step's acceptance and, unless a request failed (a retried stage
+        times more than one forward), its stage costs."""
+        for request_id, accepted in runner_output.accepted_len.items():
+            self.policy.observe_cycle(request_id, runner_output.num_verified.get(request_id, 0), accepted)
+        if runner_output.failed:
+            return
+        times = runner_output.stage_times
+        if scheduler_output.target_only_ids and times.target_step > 0:
+            self.policy.costs.observe_target_step(len(scheduler_output.target_only_ids), times.target_step)
+        verified = [runner_output.num_verified[r] for r in scheduler_output.speculative_ids
+                    if r in runner_output.num_verified]
+        if verified and times.verify > 0:
+            self.policy.costs.observe_speculative(len(verified), len(verified) + sum(verified), times.verify,
+                                                  times.draft + times.tail + times.commit)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:
         """Finish requests from outside a step (cancel, shutdown); their state is freed next step."""
 
@@ -51,8 +68,9 @@ class FcfsScheduler(SchedulerInterface):
     running: the engine never holds more, whatever the router in front does.
     """
 
-    def __init__(self, max_concurrency: int):
+    def __init__(self, max_concurrency: int, policy: SpeculationPolicy | None = None):
         self.max_concurrency = max_concurrency
+        self.policy = policy  # None: every speculative request drafts every step
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._waiting: deque[str] = deque()
         self._to_free: list[str] = []  # finished since the last schedule()
@@ -73,16 +91,30 @@ class FcfsScheduler(SchedulerInterface):
         prefill_ids = list(self._waiting)
         self._waiting.clear()
         running = [r for r in self.requests.values() if r.status == RequestStatus.RUNNING]
+        speculative = [r for r in running if r.speculative]
+        target_only = [r.request_id for r in running if not r.speculative]
+        draft_rows: dict[str, int] = {}
+        if self.policy is not None and speculative:
+            # rows past the request's remaining output could never be emitted
+            candidates = {r.request_id: min(self.policy.num_rows, r.params.max_new_tokens - r.stats.num_output_tokens - 1)
+                          for r in speculative}
+            sampled = frozenset(r.request_id for r in speculative if not r.params.is_greedy)
+            draft_rows = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled).draft_rows
+            target_only = [r.request_id for r in speculative if r.request_id not in draft_rows] + target_only
+            speculative = [r for r in speculative if r.request_id in draft_rows]
         output = SchedulerOutput(
             prefill_ids=prefill_ids,
-            speculative_ids=[r.request_id for r in running if r.speculative],
-            target_only_ids=[r.request_id for r in running if not r.speculative],
+            speculative_ids=[r.request_id for r in speculative],
+            target_only_ids=target_only,
             finished_ids=self._to_free,
+            draft_rows=draft_rows,
         )
         self._to_free = []
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestEvent]:
+        if self.policy is not None:
+            self._observe(scheduler_output, runner_output)
         events = []
         for request_id, error in runner_output.failed.items():
             events += self.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
@@ -101,6 +133,22 @@ class FcfsScheduler(SchedulerInterface):
             events.append(RequestEvent(request, release))
         return events
 
+    def _observe(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        """Feed the policy this step's acceptance and, unless a request failed (a retried stage
+        times more than one forward), its stage costs."""
+        for request_id, accepted in runner_output.accepted_len.items():
+            self.policy.observe_cycle(request_id, runner_output.num_verified.get(request_id, 0), accepted)
+        if runner_output.failed:
+            return
+        times = runner_output.stage_times
+        if scheduler_output.target_only_ids and times.target_step > 0:
+            self.policy.costs.observe_target_step(len(scheduler_output.target_only_ids), times.target_step)
+        verified = [runner_output.num_verified[r] for r in scheduler_output.speculative_ids
+                    if r in runner_output.num_verified]
+        if verified and times.verify > 0:
+            self.policy.costs.observe_speculative(len(verified), len(verified) + sum(verified), times.verify,
+                                                  times.draft + times.tail + times.commit)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:
         events = []
         for request_id in request_ids:
@@ -115,6 +163,8 @@ class FcfsScheduler(SchedulerInterface):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         del self.requests[request.request_id]
+        if self.policy is not None:
+            self.policy.forget(request.request_id)
         if request.request_id in self._waiting:
             self._waiting.remove(request.request_id)
         self._to_free.append(request.request_id)

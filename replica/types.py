@@ -49,6 +49,9 @@ class SchedulerOutput:
     speculative_ids: list[str]  # running requests that decode one speculative cycle
     target_only_ids: list[str]  # running requests that decode one target-only token
     finished_ids: list[str]  # requests finished since the last step: the runner frees their state
+    # Adaptive speculation (speculation_policy): the most draft rows each speculative request
+    # verifies this step; absent: as many as the block (and the confidence cut) allow.
+    draft_rows: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

@@ -36,10 +36,16 @@ def test_greedy_speculation_is_lossless_on_the_bench_prompts(engine):
     prompts = heldout_prompts(engine, num_prompts=8, prompt_len=64)
     params = SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True)
     target_only = engine.generate_many(prompts, params, speculative=False)
-    speculative = engine.generate_many(prompts, params, speculative=True)
+    speculative = engine.generate_many(prompts, params, speculative=True)  # adaptive speculation on
     for a, b in zip(target_only, speculative):
         assert a.token_ids == b.token_ids
-    # The shipped drafter's acceptance (issue 5 asks for >= 3.0; it measures 3.88 on x86-64).
+    # The shipped drafter's acceptance (issue 5 asks for >= 3.0; it measures 3.88 on x86-64), with
+    # every request drafting every step: the adaptive policy verifies fewer rows at batch 8.
+    fixed = Engine(engine.target, engine.drafter, engine.tokenizer,
+                   EngineConfig(device="cpu", dtype="float32", adaptive_speculation=False))
+    speculative = fixed.generate_many(prompts, params, speculative=True)
+    for a, b in zip(target_only, speculative):
+        assert a.token_ids == b.token_ids
     cycles = sum(r.stats.spec.num_cycles for r in speculative)
     accepted = sum(r.stats.spec.num_accepted_tokens for r in speculative)
     assert accepted / cycles >= 3.0

@@ -52,7 +52,10 @@ def make_engine(tokenizer=None, with_drafter: bool = True, max_seq_len: int = 96
     if with_drafter:
         args = DraftArgs.for_target(target.args, window=8, num_retrieve=32)
         drafter = init_random_drafter(target, args, seed=0).eval()
-    config = {"device": "cpu", "dtype": "float32", "max_seq_len": max_seq_len, **config}
+    # A random drafter: adaptive speculation would soon stop drafting, and these tests look at
+    # speculative cycles (stage spans, speculation stats) through the server.
+    config = {"device": "cpu", "dtype": "float32", "max_seq_len": max_seq_len, "adaptive_speculation": False,
+              **config}
     return Engine(target, drafter, tokenizer, EngineConfig(**config))
 
 

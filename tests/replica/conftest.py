@@ -17,6 +17,10 @@ def make_engine(target: TargetModel, window: int = 8, seed: int = 0, with_drafte
     if with_drafter:
         args = DraftArgs.for_target(target.args, window=window, num_retrieve=min(32, target.args.vocab_size))
         drafter = init_random_drafter(target, args, seed=seed).eval()
+    # The random drafter almost never gets a row right, so adaptive speculation would soon stop
+    # drafting; tests of the verification path need every step to speculate. Policy tests and the
+    # distilled-drafter equivalence tests run with it on.
+    config.setdefault("adaptive_speculation", False)
     config.setdefault("device", "cpu")
     config.setdefault("dtype", "float32")
     return Engine(target, drafter, None, EngineConfig(**config))

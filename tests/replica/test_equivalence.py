@@ -150,14 +150,20 @@ def _distilled_reference(preset: str, prompt: tuple[int, ...], max_new_tokens: i
     return reference_generate(target, list(prompt), max_new_tokens)
 
 
-def _distilled_run(preset, prompts, verify_threshold, draft_pool="dense", retrieval="exact",
+# name -> (verify_threshold, adaptive_speculation)
+VERIFICATION = {"whole-block": (0.0, False), "dynamic": (0.05, False), "adaptive": (0.05, True)}
+
+
+def _distilled_run(preset, prompts, verification, draft_pool="dense", retrieval="exact",
                    params=DISTILLED_GREEDY, baseline="reference"):
     """Run ``prompts`` speculatively; returns (per-cycle (verified, accepted), engine) after checking
     every output against target-only greedy decoding (``baseline``: the stateless reference, or the
     engine's own target-only path, which is faster for many prompts) and that nothing leaked."""
     target, drafter = _pair(preset)
-    engine = Engine(target, drafter, None, EngineConfig(device="cpu", dtype="float32", draft_pool=draft_pool,
-                                                        retrieval=retrieval, verify_threshold=verify_threshold))
+    verify_threshold, adaptive = VERIFICATION[verification]
+    engine = Engine(target, drafter, None, EngineConfig(
+        device="cpu", dtype="float32", draft_pool=draft_pool, retrieval=retrieval,
+        verify_threshold=verify_threshold, adaptive_speculation=adaptive))
     cycles: list[tuple[int, int]] = []
     engine.add_step_observer(
         lambda record: cycles.extend((record.num_verified[r], record.accepted_len[r]) for r in record.accepted_len))
@@ -174,31 +180,31 @@ def _distilled_run(preset, prompts, verify_threshold, draft_pool="dense", retrie
 
 @pytest.mark.parametrize("retrieval", ["exact", "bf16", "fp8"])
 @pytest.mark.parametrize("draft_pool", ["dense", "ring"])
-@pytest.mark.parametrize("verify_threshold", [0.0, 0.05], ids=["whole-block", "dynamic"])
+@pytest.mark.parametrize("verification", list(VERIFICATION))
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_distilled_drafter_greedy_equals_reference(preset, batch, verify_threshold, draft_pool, retrieval):
+def test_distilled_drafter_greedy_equals_reference(preset, batch, verification, draft_pool, retrieval):
     # 32 new tokens after prompts of up to 29 run past the 16-position window of the ring pool
     prompts = _prompts(64, [3, 17, 5, 29, 1, 11, 8, 23][:batch], seed=2)
-    cycles, engine = _distilled_run(preset, prompts, verify_threshold, draft_pool, retrieval)
+    cycles, engine = _distilled_run(preset, prompts, verification, draft_pool, retrieval)
     tables = engine.runner.tail_tables
     assert (tables.head_fp8 is not None) == (retrieval == "fp8")
     assert (tables.head_bf16 is not None) == (retrieval == "bf16")
     accepted = {a for _, a in cycles}
     if batch == 8:
         assert 0 in accepted and accepted - {0, NUM_ROWS}, sorted(accepted)  # rejections, also mid-block
-    if verify_threshold == 0.0:
+    if verification == "whole-block":
         assert {v for v, _ in cycles} == {NUM_ROWS}
 
 
-@pytest.mark.parametrize("verify_threshold", [0.0, 0.05], ids=["whole-block", "dynamic"])
+@pytest.mark.parametrize("verification", ["whole-block", "dynamic"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"], ids=["hybrid-gdn", "dense-qwen3"])
-def test_cycles_accept_every_length_from_0_to_15(preset, verify_threshold):
+def test_cycles_accept_every_length_from_0_to_15(preset, verification):
     """Over 256 prompts at batch 8, every accepted length 0..15 occurs, with identical output."""
     lengths = torch.randint(1, 30, (256,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts = _prompts(64, lengths, seed=1)
-    cycles, _ = _distilled_run(preset, prompts, verify_threshold, baseline="target-only")
+    cycles, _ = _distilled_run(preset, prompts, verification, baseline="target-only")
     histogram = [sum(1 for _, a in cycles if a == n) for n in range(NUM_ROWS + 1)]
     assert all(histogram), histogram
-    if verify_threshold > 0:
+    if verification == "dynamic":
         assert any(v < NUM_ROWS for v, _ in cycles)  # dynamic verification really cut blocks

@@ -37,6 +37,7 @@ FAIL_PVALUE = 1e-6  # a broken engine
 class Case:
     params: SamplingParams
     verify_threshold: float  # 0: whole-block verification
+    adaptive: bool = False  # adaptive speculation (the policy picks rows per request and step)
 
 
 CASES = {
@@ -47,6 +48,8 @@ CASES = {
     "dynamic": Case(SamplingParams(temperature=1.0, top_k=6), 0.5),
     # the target's filtering at work in p: temperature, top-k and a top-p that cuts
     "temperature-topk-topp": Case(SamplingParams(temperature=0.7, top_k=12, top_p=0.9), 0.05),
+    # the shipped configuration: adaptive speculation on top of the confidence cut, with top-p
+    "adaptive": Case(SamplingParams(temperature=0.7, top_p=0.9), 0.05, adaptive=True),
 }
 
 # Each bug and the case built to expose it.
@@ -76,7 +79,7 @@ def run_case(case: Case) -> Run:
     target, drafter = distilled_pair()
     engine = Engine(target, drafter, None, EngineConfig(
         device="cpu", dtype="float32", max_concurrency=16, verify_threshold=case.verify_threshold,
-        retrieval="exact"))
+        retrieval="exact", adaptive_speculation=case.adaptive))
     cycles: list[tuple[int, int]] = []
     engine.add_step_observer(
         lambda record: cycles.extend((record.num_verified[r], record.accepted_len[r]) for r in record.accepted_len))
@@ -112,10 +115,12 @@ def test_engine_samples_follow_the_target(real_runs, name):
 
     # the case exercises what it is named for
     accepted = collections.Counter(a for _, a in run.cycles)
-    assert len(run.cycles) > 6_000
+    # the policy drafts only where it pays: fewer cycles, most of them short
+    scale = 10 if CASES[name].adaptive else 1
+    assert len(run.cycles) > 6_000 // scale
     assert sum(a for _, a in run.cycles) / len(run.cycles) > 0.9  # substantial acceptance
     assert set(range(16)) <= set(accepted) or name != "whole-block", sorted(accepted)
-    assert sum(1 for v, a in run.cycles if 0 < a < v) > 500  # rejections mid-block
+    assert sum(1 for v, a in run.cycles if 0 < a < v) > 500 // scale  # rejections mid-block
     truncated_bonus = sum(1 for v, a in run.cycles if 0 < a == v < 15)
     if CASES[name].verify_threshold >= 0.5:
         assert truncated_bonus > 1_000, truncated_bonus  # bonus tokens after a truncated verify

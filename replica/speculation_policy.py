@@ -1,0 +1,254 @@
+"""Adaptive speculation: per step and per request, how many draft rows to verify, or none.
+
+Speculation pays only where the tokens a cycle is expected to commit outweigh
+what the draft, tail, commit and the wider verify forward cost over a plain
+target step. Both sides are measured, not assumed:
+
+* :class:`CostModel` learns, online and on the machine it runs on, the target
+  forward's seconds as a line in the rows it carries (a target-only step over
+  B requests is B rows; a verify is one row per request plus its verified draft
+  rows) and the draft + tail + commit overhead as a line in the requests that
+  drafted. Observations decay, so the model follows a machine whose speed drifts.
+* :class:`AcceptanceProfile` keeps, per request, the decayed probability that
+  row t is accepted given rows 1..t-1 were, from that request's past cycles
+  (new requests start from the engine-wide profile of their kind: greedy and
+  sampled requests accept very differently, so each kind has its own).
+
+:class:`SpeculationPolicy.plan` then adds draft rows in order of expected
+gain (row t of request b gains ``P(rows 1..t of b accepted)`` tokens) while
+the step's tokens per second improve, and compares the best plan with a
+target-only step. When target-only wins, a probe step drafts again after a
+while (4 steps, doubling up to 64 while speculation keeps losing) so a request
+whose text becomes predictable is noticed.
+
+Lossless by construction: a plan is made before the step drafts anything,
+from past cycles and timings only, so whether a row is verified never depends
+on the token drawn at that row (the tail's confidence cut, applied on top,
+obeys the same rule; see ``tail.chain_confidence``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", "StepPlan"]
+
+# Weight of history per new observation: 0.9 forgets a timing in about ten steps.
+_COST_DECAY = 0.9
+# Per request: about the last twenty cycles count (one unlucky cycle must not stop drafting).
+_ACCEPT_DECAY = 0.95
+_PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide profile in a request's estimate
+_FIRST_PROBE_INTERVAL = 4
+_MAX_PROBE_INTERVAL = 64
+_PROBE_ROWS = 4  # rows a probe verifies per request: enough to see whether row 1.. pays
+
+
+class LinearCost:
+    """``seconds ~ intercept + slope * x``, fitted by decayed least squares; never negative.
+
+    Until two different ``x`` have been seen the slope is unidentified; the fit then scales
+    the mean time with ``prior_slope_share`` (slope as a share of the intercept), and with no
+    observation at all :meth:`predict` returns None."""
+
+    def __init__(self, prior_slope_share: float, decay: float = _COST_DECAY):
+        self.prior_slope_share = prior_slope_share
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, x: float, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + x
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + x * x
+        self._xy = d * self._xy + x * seconds
+
+    @property
+    def num_observations(self) -> float:
+        return self._w
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(intercept, slope)`` or None before any observation."""
+        if self._w <= 0:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var > 0.25:  # at least two distinct x with real weight
+            slope = max(0.0, (self._xy / self._w - mx * my) / var)
+            intercept = my - slope * mx
+            if intercept >= 0:
+                return intercept, slope
+        intercept = my / (1.0 + self.prior_slope_share * mx)
+        return intercept, self.prior_slope_share * intercept
+
+    def predict(self, x: float) -> float | None:
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return None
+        intercept, slope = coefficients
+        return intercept + slope * x
+
+
+@dataclass
+class CostModel:
+    """Seconds of a target forward (by rows) and of the speculative overhead (by drafting requests)."""
+
+    # A CPU's forward grows by several percent of its fixed cost per row; a GPU's barely grows.
+    forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
+    draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.3))
+
+    def observe_target_step(self, rows: int, seconds: float) -> None:
+        self.forward.observe(rows, seconds)
+
+    def observe_speculative(self, requests: int, rows: int, forward_seconds: float, overhead_seconds: float) -> None:
+        self.forward.observe(rows, forward_seconds)
+        self.draft_overhead.observe(requests, overhead_seconds)
+
+    @property
+    def ready(self) -> bool:
+        return self.forward.num_observations > 0 and self.draft_overhead.num_observations > 0
+
+    def step_seconds(self, drafting: int, verify_rows: int, target_only: int) -> float:
+        """Predicted seconds of a step: one verify forward over ``verify_rows`` for ``drafting``
+        requests, one target-only forward over ``target_only`` requests (each only if non-empty)."""
+        seconds = 0.0
+        if drafting:
+            seconds += self.draft_overhead.predict(drafting) + self.forward.predict(verify_rows)
+        if target_only:
+            seconds += self.forward.predict(target_only)
+        return seconds
+
+
+class AcceptanceProfile:
+    """Decayed P(row t accepted | rows 1..t-1 accepted), t = 1..num_rows, for one request or an engine."""
+
+    def __init__(self, num_rows: int, prior: "AcceptanceProfile | None" = None, initial: float = 0.5):
+        self.num_rows = num_rows
+        self.prior = prior
+        self.initial = initial
+        self._accepted = [0.0] * num_rows
+        self._seen = [0.0] * num_rows
+
+    def conditional(self, row: int) -> float:
+        """Estimated P(row accepted | earlier rows accepted); ``row`` is 0-based.
+
+        A row with little data leans on the prior: the engine-wide profile for a request, and for
+        the engine the estimate of the row before (rows past the usual verify length are rarely
+        observed, and a fixed guess there would keep them unverified for good)."""
+        if self.prior is not None:
+            base = self.prior.conditional(row)
+        else:
+            base = self.conditional(row - 1) if row > 0 else self.initial
+        return (self._accepted[row] + _PRIOR_WEIGHT * base) / (self._seen[row] + _PRIOR_WEIGHT)
+
+    def gains(self, max_rows: int) -> list[float]:
+        """Expected accepted tokens added by verifying row t (t = 1..max_rows): P(rows 1..t accepted)."""
+        out, running = [], 1.0
+        for row in range(min(max_rows, self.num_rows)):
+            running *= self.conditional(row)
+            out.append(running)
+        return out
+
+    def observe(self, num_verified: int, accepted_len: int) -> None:
+        """A cycle verified ``num_verified`` rows and accepted the first ``accepted_len`` of them."""
+        for row in range(min(num_verified, accepted_len + 1)):
+            self._accepted[row] = _ACCEPT_DECAY * self._accepted[row] + (1.0 if row < accepted_len else 0.0)
+            self._seen[row] = _ACCEPT_DECAY * self._seen[row] + 1.0
+        if self.prior is not None:
+            self.prior.observe(num_verified, accepted_len)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Draft rows to verify per request that drafts this step (absent: a target-only token)."""
+
+    draft_rows: dict[str, int]
+    is_probe: bool = False
+
+
+class SpeculationPolicy:
+    """Chooses each step's draft rows per request from measured costs and acceptance."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.costs = CostModel()
+        # Engine-wide profiles, one per kind of request, learn from every request of that kind and
+        # are where a new request's estimates start.
+        self.engine_profiles = {kind: AcceptanceProfile(num_rows, initial=0.5) for kind in ("greedy", "sampled")}
+        self._profiles: dict[str, AcceptanceProfile] = {}
+        self._steps_without_draft = 0
+        self._probe_interval = _FIRST_PROBE_INTERVAL
+        self.num_decode_steps = 0
+        self.num_drafting_steps = 0
+
+    # ------------------------------------------------------------ planning
+    def profile(self, request_id: str, sampled: bool = False) -> AcceptanceProfile:
+        """The request's profile (created on first use, from the engine-wide one of its kind)."""
+        if request_id not in self._profiles:
+            prior = self.engine_profiles["sampled" if sampled else "greedy"]
+            self._profiles[request_id] = AcceptanceProfile(self.num_rows, prior=prior)
+        return self._profiles[request_id]
+
+    def plan(self, candidates: dict[str, int], num_target_only: int = 0, sampled: frozenset[str] = frozenset(),
+             ) -> StepPlan:
+        """``candidates``: request id -> the most draft rows worth verifying for it (its remaining
+        output budget less one, capped at the block); ``num_target_only``: other requests of the step
+        that decode target-only anyway; ``sampled``: the candidates that sample (temperature > 0).
+        Returns the rows each drafting request verifies."""
+        if not candidates:
+            return StepPlan({})
+        for request_id in candidates:
+            self.profile(request_id, request_id in sampled)
+        self.num_decode_steps += 1
+        if not self.costs.ready:  # nothing measured yet: draft everything once to learn
+            return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
+        rows = self._best_rows(candidates, num_target_only)
+        if rows:
+            self._probe_interval = _FIRST_PROBE_INTERVAL
+            return self._drafting(StepPlan(rows))
+        self._steps_without_draft += 1
+        if self._steps_without_draft >= self._probe_interval:
+            self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
+            probe = {r: min(m, _PROBE_ROWS) for r, m in candidates.items() if m > 0}
+            return self._drafting(StepPlan(probe, is_probe=True))
+        return StepPlan({})
+
+    def _drafting(self, plan: StepPlan) -> StepPlan:
+        if plan.draft_rows:
+            self.num_drafting_steps += 1
+            self._steps_without_draft = 0
+        return plan
+
+    def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
+        """Rows in order of gain; the prefix with the most tokens per second, if it beats target-only."""
+        n = len(candidates)
+        ranked = sorted(((gain, request_id) for request_id, max_rows in candidates.items()
+                         for gain in self.profile(request_id).gains(max_rows)), key=lambda item: -item[0])
+        tokens = float(n + num_target_only)  # one token per request whatever the plan
+        best_rate = tokens / self.costs.step_seconds(0, 0, n + num_target_only)
+        best_count = 0
+        drafting, rows_taken = set(), 0
+        for count, (gain, request_id) in enumerate(ranked, start=1):
+            tokens += gain
+            drafting.add(request_id)
+            rows_taken += 1
+            seconds = self.costs.step_seconds(len(drafting), len(drafting) + rows_taken,
+                                              n - len(drafting) + num_target_only)
+            if tokens / seconds > best_rate:
+                best_rate, best_count = tokens / seconds, count
+        rows: dict[str, int] = {}
+        for _, request_id in ranked[:best_count]:
+            rows[request_id] = rows.get(request_id, 0) + 1
+        return rows
+
+    # ------------------------------------------------------------ learning
+    def observe_cycle(self, request_id: str, num_verified: int, accepted_len: int) -> None:
+        self.profile(request_id).observe(num_verified, accepted_len)
+
+    def forget(self, request_id: str) -> None:
+        self._profiles.pop(request_id, None)
+
+    @property
+    def drafting_share(self) -> float:
+        """Share of decode steps that drafted (0 before any)."""
+        return self.num_drafting_steps / self.num_decode_steps if self.num_decode_steps else 0.0

@@ -1,0 +1,36 @@
+"""``bench engine --sweep``: every regime runs both modes on one engine and lands in one table."""
+
+from __future__ import annotations
+
+from dspine.replica import bench
+
+from .conftest import make_engine
+
+REGIMES = (
+    ("greedy", {}, 12, 1),
+    ("sampled", {"temperature": 0.7, "top_p": 0.9}, 12, 1),
+    ("batched", {}, 12, 4),
+)
+
+
+def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    rows = bench.bench_sweep(engine, num_prompts=2, prompt_len=6, repeats=1, regimes=REGIMES)
+    assert [row["regime"] for row in rows] == ["greedy", "sampled", "batched"]
+    for row in rows:
+        ratio = row["speculative_tokens_per_s"] / row["target_only_tokens_per_s"]
+        assert abs(row["speedup"] - ratio) < 1e-9 * ratio  # one paired repeat: the ratio itself
+        assert 0.0 <= row["drafting_share"] <= 1.0
+    assert rows[0]["identical_greedy_output"] is True and rows[2]["identical_greedy_output"] is True
+    assert rows[1]["identical_greedy_output"] is None  # sampled: no token-for-token claim
+    table = bench.format_sweep(rows)
+    assert table.count("\n") == len(rows) + 2 and "lowest:" in table
+    for row in rows:
+        assert row["regime"] in table and f"{row['speedup']:.2f}x" in table
+
+
+def test_sweep_without_the_policy_reports_no_drafting_share(hybrid_target):
+    engine = make_engine(hybrid_target, adaptive_speculation=False)
+    rows = bench.bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[:1])
+    assert rows[0]["drafting_share"] is None
+    assert "  -  " in bench.format_sweep(rows) or " - " in bench.format_sweep(rows)

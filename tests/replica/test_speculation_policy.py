@@ -1,0 +1,152 @@
+"""Adaptive speculation: the cost model, the acceptance profiles and the policy's choices, counted.
+
+Nothing here times anything: costs are fed to the model by the tests, or (engine tests) the policy
+runs on whatever this machine measures and the assertions hold for any positive costs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.replica import Engine, EngineConfig, SamplingParams
+from dspine.replica.reference import reference_generate
+from dspine.replica.speculation_policy import AcceptanceProfile, LinearCost, SpeculationPolicy
+from dspine.replica.tail import Proposal
+
+ROWS = 15
+
+
+def test_linear_cost_recovers_a_line_and_follows_drift():
+    cost = LinearCost(prior_slope_share=0.05)
+    assert cost.predict(4) is None
+    for rows in (1, 16, 4, 9) * 5:
+        cost.observe(rows, 0.004 + 0.0003 * rows)
+    intercept, slope = cost.coefficients()
+    assert intercept == pytest.approx(0.004, rel=1e-6) and slope == pytest.approx(0.0003, rel=1e-6)
+    for rows in (1, 16) * 40:  # the machine got twice as slow
+        cost.observe(rows, 2 * (0.004 + 0.0003 * rows))
+    assert cost.predict(10) == pytest.approx(2 * (0.004 + 0.003), rel=0.02)
+
+
+def test_linear_cost_with_one_x_uses_the_prior_shape():
+    cost = LinearCost(prior_slope_share=0.1)
+    cost.observe(1, 0.011)
+    assert cost.predict(1) == pytest.approx(0.011)
+    assert cost.predict(11) == pytest.approx(0.011 / 1.1 * 2.1)
+
+
+def test_acceptance_profile_learns_per_row_and_shares_a_prior():
+    engine_wide = AcceptanceProfile(ROWS)
+    request = AcceptanceProfile(ROWS, prior=engine_wide)
+    assert request.gains(3) == pytest.approx([0.5, 0.25, 0.125])
+    for _ in range(20):  # rows 1-2 always accepted, row 3 never
+        request.observe(num_verified=5, accepted_len=2)
+    gains = request.gains(5)
+    assert gains[0] > 0.95 and gains[1] > 0.9 and gains[2] < 0.1
+    assert request.conditional(4) == pytest.approx(engine_wide.conditional(4))  # never observed: the prior
+    fresh = AcceptanceProfile(ROWS, prior=engine_wide)
+    assert fresh.gains(1)[0] > 0.9  # a new request starts from what the engine has seen
+
+
+def _policy_with_costs(forward=(0.004, 0.0003), overhead=(0.002, 0.001)) -> SpeculationPolicy:
+    policy = SpeculationPolicy(ROWS)
+    for rows in (1, 8, 16, 30):
+        policy.costs.forward.observe(rows, forward[0] + forward[1] * rows)
+        policy.costs.draft_overhead.observe(rows % 8 + 1, overhead[0] + overhead[1] * (rows % 8 + 1))
+    return policy
+
+
+def test_a_perfect_profile_verifies_every_row_and_a_useless_one_none():
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("good", ROWS, ROWS)
+        policy.observe_cycle("bad", ROWS, 0)
+    plan = policy.plan({"good": ROWS, "bad": ROWS})
+    assert plan.draft_rows["good"] == ROWS
+    # "bad" rides along with at most one row: decoding it target-only would cost a second forward
+    assert plan.draft_rows.get("bad", 0) <= 1
+    alone = policy.plan({"bad": ROWS})
+    assert alone.draft_rows == {}
+    assert policy.plan({"good": 3}).draft_rows == {"good": 3}  # never past the remaining output
+
+
+@pytest.mark.parametrize("row_seconds,expected_rows", [(0.0015, 4), (0.0001, 6)])
+def test_rows_are_bought_while_they_pay(row_seconds, expected_rows):
+    """Rows 1-4 always accepted, row 5 half the time, row 6 half of that, row 7 never: a row is
+    worth its cost while its expected tokens per second beat the plan's so far (about 450 tok/s
+    with 4 rows at 1.5 ms per row, where row 5's half token per 1.5 ms is not worth it)."""
+    policy = _policy_with_costs(forward=(0.004, row_seconds), overhead=(0.001, 0.0))
+    for _ in range(30):
+        for accepted in (4, 5, 6, 4):
+            policy.observe_cycle("r", ROWS, accepted)
+    assert policy.plan({"r": ROWS}).draft_rows["r"] == expected_rows
+
+
+def test_probes_back_off_while_speculation_loses():
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("bad", ROWS, 0)
+    drafted = [bool(policy.plan({"bad": ROWS}).draft_rows) for _ in range(200)]
+    probes = [i for i, d in enumerate(drafted) if d]
+    assert probes[:5] == [3, 11, 27, 59, 123]  # every 4th step, then 8th, 16th, 32nd, 64th
+    assert sum(drafted) / len(drafted) < 0.1
+
+
+# ------------------------------------------------------------- through the engine
+def _engine(target, drafter_seed: int = 0, **config):
+    from dspine.replica.models.dspine_checkpoint import init_random_drafter
+    from dspine.replica.models.dspine_config import DraftArgs
+
+    args = DraftArgs.for_target(target.args, window=8, num_retrieve=32)
+    drafter = init_random_drafter(target, args, seed=drafter_seed).eval()
+    return Engine(target, drafter, None, EngineConfig(device="cpu", dtype="float32", adaptive_speculation=True,
+                                                      **config))
+
+
+def _record_steps(engine) -> list[dict[str, int]]:
+    steps: list[dict[str, int]] = []
+    engine.add_step_observer(lambda record: steps.append(dict(record.num_verified)) if record.request_ids else None)
+    return steps
+
+
+def test_an_always_wrong_drafter_stops_drafting_after_warm_up(hybrid_target):
+    engine = _engine(hybrid_target)
+    steps = _record_steps(engine)
+    prompt = [5, 9, 2, 7]
+    params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+    result = engine.generate(prompt, params, speculative=True)
+    assert result.token_ids == reference_generate(hybrid_target, prompt, 300)
+    decode_steps = steps[1:]  # step 0 is the prefill
+    after_warm_up = decode_steps[20:]
+    share = sum(1 for s in after_warm_up if s) / len(after_warm_up)
+    assert 0 < share < 0.1, share  # apart from probes, target-only
+    policy = engine.scheduler.policy
+    assert policy.num_decode_steps == len(decode_steps)
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+
+
+def test_a_perfect_drafter_gets_every_row_verified(hybrid_target):
+    engine = _engine(hybrid_target, verify_threshold=0.0)
+    steps = _record_steps(engine)
+    prompt = [3, 1, 4, 1, 5]
+    truth = reference_generate(hybrid_target, prompt, 120)
+
+    def propose(request_ids, requests, draft_out, anchors, params, generators):
+        done = len(requests[request_ids[0]].output_token_ids)
+        draft = torch.tensor([(truth[done:done + ROWS] + [0] * ROWS)[:ROWS]])
+        cand = draft[..., None].repeat(1, 1, 16)
+        q = torch.zeros(cand.shape, dtype=torch.float64)
+        q[..., 0] = 1.0
+        return Proposal(draft_ids=draft, q=q, cand_ids=cand, choice=torch.zeros_like(draft))
+
+    engine.runner.propose = propose  # its proposal is the target's own argmax
+    params = SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)
+    result = engine.generate(prompt, params, speculative=True)
+    assert result.token_ids == truth
+    produced = 1  # the prefill's token
+    for step in steps[1:]:
+        assert step, "a decode step did not draft"
+        verified = next(iter(step.values()))
+        assert verified == min(ROWS, params.max_new_tokens - produced - 1)
+        produced += verified + 1
