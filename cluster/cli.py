@@ -431,6 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"dspine {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a server's answer is one line, not a traceback
+        from .client_errors import DSpineClientError, Unavailable
+
+        if not isinstance(e, DSpineClientError):
+            raise
+        hint = f" (is a dspine server listening at {args.server}?)" if isinstance(e, Unavailable) and getattr(
+            args, "server", None) else ""
+        print(f"dspine {args.command}: error: {e}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -171,3 +171,15 @@ def test_train_target_then_draft_rebuilds_a_loadable_pair(tmp_path):
     rebuilt = Engine.from_pretrained(target_dir, draft_dir, EngineConfig())
     expected = reference_generate(rebuilt.target, rebuilt.encode(PROMPT), 8)
     assert printed["token_ids"] == expected[:len(printed["token_ids"])] and printed["token_ids"]
+
+
+@pytest.mark.timeout(120)
+def test_the_library_use_snippet_runs_as_pasted():
+    """The README's "Library use" block, executed verbatim in a fresh interpreter."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Library use"):]
+    snippet = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().split()[-2] in ("length", "stop")  # text ... finish_reason mean_accepted_len

