@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -39,6 +38,7 @@ from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
 from . import tracing
 from .admission import Admission
+from .auth import bearer_token_matches
 from .metrics import ServingMetrics, configure_metrics
 from .config import ENGINE_DEPLOYMENT, ClusterConfig
 from .errors import ClusterBusyError, ReplicaLostError, UnauthenticatedError, set_status
@@ -53,15 +53,8 @@ class StreamFailed(Exception):
 def check_bearer(metadata, expected_token: str | None) -> None:
     """Raise :class:`UnauthenticatedError` unless ``metadata`` carries ``authorization: Bearer <token>``
     (a no-op when no token is configured). Constant-time comparison."""
-    if not expected_token:
+    if not expected_token or bearer_token_matches(metadata, expected_token):
         return
-    expected = f"Bearer {expected_token}".encode()
-    for key, value in metadata or ():
-        if key.lower() == "authorization":
-            given = value.encode() if isinstance(value, str) else value
-            if hmac.compare_digest(given, expected):
-                return
-            break
     raise UnauthenticatedError("missing or invalid bearer token (authorization: Bearer <token>)")
 
 

@@ -18,7 +18,6 @@ stops and the engine shuts down.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 from pathlib import Path
@@ -30,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import tracing
+from .auth import bearer_token_matches
 from .metrics import ServingMetrics, configure_metrics
 from .servicer import SERVICE_NAME, DSpineService, DSpineServicer, add_to_server
 from .validation import ValidationLimits
@@ -72,31 +72,30 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED); health is exempt."""
 
     def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = (f"/{HEALTH_SERVICE_NAME}/",)):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._exempt = exempt_prefixes
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        if details.method.startswith(self._exempt):
-            return True
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._expected)
-        return False
+        return details.method.startswith(self._exempt) or bearer_token_matches(details.invocation_metadata,
+                                                                                 self._token)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or self._authorized(details):
+        if self._authorized(details):
             return handler
+        # An unknown method is refused the same way: an unauthenticated caller does not learn
+        # which method names exist (UNIMPLEMENTED would tell it).
         return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
-def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that aborts every call with ``code``."""
 
     async def reject(request_or_iterator, context):
         await context.abort(code, details)
 
+    if handler is None:  # no such method: raw bytes in, nothing out
+        return grpc.unary_unary_rpc_method_handler(reject)
     kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(reject, **kwargs)

@@ -196,6 +196,24 @@ def test_bearer_token(serve):
         assert client.info().max_concurrency == 8
 
 
+def test_bearer_scheme_is_case_insensitive_and_unknown_methods_stay_hidden(serve):
+    import grpc
+
+    server = serve(make_engine(with_drafter=False), auth_token="s3cret")
+    with grpc.insecure_channel(server.address) as channel:
+        nowhere = channel.unary_unary("/dspine.v1.DSpine/NoSuchMethod")
+        info = channel.unary_unary("/dspine.v1.DSpine/GetModelInfo")
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            with pytest.raises(grpc.RpcError) as refused:  # not UNIMPLEMENTED: names stay secret
+                nowhere(b"", metadata=metadata, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as unknown:  # an authorized caller learns it does not exist
+            nowhere(b"", metadata=(("authorization", "bearer s3cret"),), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert info(b"", metadata=(("authorization", f"{scheme} s3cret"),), timeout=10) is not None
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a self-signed cert")
 def test_tls(serve, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

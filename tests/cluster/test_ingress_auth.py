@@ -24,3 +24,14 @@ def test_missing_or_wrong_token_is_unauthenticated(metadata):
 
 def test_right_token_passes_in_any_key_case():
     check_bearer([("application", "dspine"), ("Authorization", "Bearer secret")], "secret")
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_scheme_name_is_case_insensitive(scheme):
+    check_bearer([("authorization", f"{scheme} secret")], "secret")  # RFC 7235: schemes are case-insensitive
+
+
+@pytest.mark.parametrize("value", ["Basic secret", "Bearer secret2", "Bearersecret", "Bearer  secret"])
+def test_other_schemes_and_near_tokens_are_refused(value):
+    with pytest.raises(UnauthenticatedError):
+        check_bearer([("authorization", value)], "secret")
