@@ -41,22 +41,6 @@ class SchedulerInterface(abc.ABC):
         """Apply the runner's tokens, run stop checks, finish requests; returns per-request events."""
 
     @abc.abstractmethod
-    def _observe(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
-        """Feed the policy this step's acceptance and, unless a request failed (a retried stage
-        times more than one forward), its stage costs."""
-        for request_id, accepted in runner_output.accepted_len.items():
-            self.policy.observe_cycle(request_id, runner_output.num_verified.get(request_id, 0), accepted)
-        if runner_output.failed:
-            return
-        times = runner_output.stage_times
-        if scheduler_output.target_only_ids and times.target_step > 0:
-            self.policy.costs.observe_target_step(len(scheduler_output.target_only_ids), times.target_step)
-        verified = [runner_output.num_verified[r] for r in scheduler_output.speculative_ids
-                    if r in runner_output.num_verified]
-        if verified and times.verify > 0:
-            self.policy.costs.observe_speculative(len(verified), len(verified) + sum(verified), times.verify,
-                                                  times.draft + times.tail + times.commit)
-
     def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:
         """Finish requests from outside a step (cancel, shutdown); their state is freed next step."""
 

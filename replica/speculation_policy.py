@@ -129,23 +129,29 @@ class AcceptanceProfile:
         self._accepted = [0.0] * num_rows
         self._seen = [0.0] * num_rows
 
-    def conditional(self, row: int) -> float:
-        """Estimated P(row accepted | earlier rows accepted); ``row`` is 0-based.
+    def conditionals(self, num_rows: int | None = None) -> list[float]:
+        """Estimated P(row accepted | earlier rows accepted) for rows 0 .. num_rows - 1 (0-based).
 
         A row with little data leans on the prior: the engine-wide profile for a request, and for
         the engine the estimate of the row before (rows past the usual verify length are rarely
         observed, and a fixed guess there would keep them unverified for good)."""
-        if self.prior is not None:
-            base = self.prior.conditional(row)
-        else:
-            base = self.conditional(row - 1) if row > 0 else self.initial
-        return (self._accepted[row] + _PRIOR_WEIGHT * base) / (self._seen[row] + _PRIOR_WEIGHT)
+        n = self.num_rows if num_rows is None else min(num_rows, self.num_rows)
+        prior = self.prior.conditionals(n) if self.prior is not None else None
+        out: list[float] = []
+        for row in range(n):
+            base = prior[row] if prior is not None else (out[-1] if out else self.initial)
+            out.append((self._accepted[row] + _PRIOR_WEIGHT * base) / (self._seen[row] + _PRIOR_WEIGHT))
+        return out
+
+    def conditional(self, row: int) -> float:
+        """One entry of :meth:`conditionals`."""
+        return self.conditionals(row + 1)[row]
 
     def gains(self, max_rows: int) -> list[float]:
         """Expected accepted tokens added by verifying row t (t = 1..max_rows): P(rows 1..t accepted)."""
         out, running = [], 1.0
-        for row in range(min(max_rows, self.num_rows)):
-            running *= self.conditional(row)
+        for c in self.conditionals(max_rows):
+            running *= c
             out.append(running)
         return out
 
