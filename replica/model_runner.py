@@ -47,6 +47,7 @@ class ModelRunner:
         # off unless tracing or profiling asks: an untraced engine pays nothing for timing).
         self.precise_timing = False
         self._draft_rows: dict[str, int] = {}  # this step's plan (SchedulerOutput.draft_rows)
+        self._drafting: frozenset[str] = frozenset()  # this step's SchedulerOutput.speculative_ids
         # request_id -> features [1, F, H] of committed positions not yet in its draft context
         self._deferred_context: dict[str, list[torch.Tensor]] = {}
 
@@ -58,9 +59,13 @@ class ModelRunner:
         self.free(scheduler_output.finished_ids)
         if scheduler_output.prefill_ids:
             self._isolated(self._prefill, scheduler_output.prefill_ids, requests, out)
+        self._drafting = frozenset(scheduler_output.speculative_ids)
         if scheduler_output.speculative_ids:
-            self._isolated(self._speculative_cycle, scheduler_output.speculative_ids, requests, out)
-        if scheduler_output.target_only_ids:
+            # The step's target-only requests ride in the cycle's verify forward, one row each: one
+            # forward per step instead of two (a forward's fixed cost is most of a decode step's).
+            self._isolated(self._speculative_cycle,
+                           scheduler_output.speculative_ids + scheduler_output.target_only_ids, requests, out)
+        elif scheduler_output.target_only_ids:
             self._isolated(self._target_step, scheduler_output.target_only_ids, requests, out)
         if self.draft_pool is not None:
             out.draft_pool_used = self.draft_pool.used
@@ -169,22 +174,38 @@ class ModelRunner:
             # features of the position for its drafter: they are appended to its draft context in
             # one batch when it next drafts (appending one position per step would cost a drafter
             # pass per token), or once a window's worth has piled up.
-            drafting = [b for b, r in enumerate(batch) if r.speculative and self.draft_pool is not None
-                        and self.draft_pool.has_request(r.request_id)]
+            drafting = [b for b, r in enumerate(batch) if self._drafts(r)]
             result = self.target.forward_step(inputs, states, feature_layers=self.feature_layers if drafting else ())
             self.target.commit(states, [1] * len(batch))
             tokens = self._sample(result.logits[:, 0], batch)
-            for b in drafting:  # last: a failure above retries this stage without a duplicate
-                self._deferred_context.setdefault(request_ids[b], []).append(result.features[b, :1].clone())
-            self._flush_context([request_ids[b] for b in drafting
-                                 if len(self._deferred_context[request_ids[b]]) >= self.drafter.args.window])
+            self._defer_context(request_ids, drafting, result.features)
         for request, token in zip(batch, tokens):
             out.new_token_ids[request.request_id] = [token]
+
+    def _drafts(self, request: Request) -> bool:
+        """Whether the request has a draft context to keep up to date."""
+        return request.speculative and self.draft_pool is not None and self.draft_pool.has_request(request.request_id)
+
+    def _defer_context(self, request_ids: list[str], rows: list[int], features: torch.Tensor) -> None:
+        """Keep row 0's features of ``rows`` (indices into ``request_ids``) for their draft contexts."""
+        # features: [N, T, F]; called last in a stage, so a retried stage never keeps a position twice
+        for b in rows:
+            self._deferred_context.setdefault(request_ids[b], []).append(features[b, :1].clone())
+        self._flush_context([request_ids[b] for b in rows
+                             if len(self._deferred_context[request_ids[b]]) >= self.drafter.args.window])
 
     # ------------------------------------------------------ speculative cycle
     @torch.inference_mode()
     def _speculative_cycle(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
+        """One cycle for the step's drafting requests; the others in ``request_ids`` ride in its
+        verify forward with one row (their pending token) and sample one token as a target step."""
+        rider_ids = [r for r in request_ids if r not in self._drafting]
+        request_ids = [r for r in request_ids if r in self._drafting]
+        if not request_ids:  # a rider retried alone (see _isolated)
+            self._target_step(rider_ids, requests, out)
+            return
         batch = [requests[r] for r in request_ids]
+        riders = [requests[r] for r in rider_ids]
         params = [r.params for r in batch]
         generators = [self.generators[r] for r in request_ids]
         anchors = torch.tensor([r.pending_token_id for r in batch], dtype=torch.long, device=self.device)
@@ -198,24 +219,37 @@ class ModelRunner:
             proposal = self.propose(request_ids, requests, draft_out, anchors, params, generators)
         with self._timed(out, "verify", request_ids):
             self._fault("verify", request_ids)
-            states = [self.states[r] for r in request_ids]
+            if rider_ids:
+                self._fault("target_step", rider_ids)
+            states = [self.states[r] for r in request_ids + rider_ids]
             num_verified = self._verify_lengths(proposal, request_ids)  # [NB] draft tokens each request verifies
             block = torch.cat([anchors[:, None], proposal.draft_ids], dim=1)  # [NB, BS]
             lengths = num_verified.tolist()
-            if min(lengths) == max(lengths):
+            if min(lengths) == max(lengths) and not riders:
                 rows = block[:, : lengths[0] + 1]
             else:  # forward_step pads internally; no request's state ever sees the padding
                 rows = [block[b, : n + 1] for b, n in enumerate(lengths)]
+                rows += [torch.tensor([r.pending_token_id], dtype=torch.long, device=self.device) for r in riders]
             result = self.target.forward_step(rows, states, feature_layers=self.feature_layers)
-            verdict = self._verify(proposal, result.logits, batch, generators, num_verified)
+            nb = len(batch)
+            # logits: [NB + NR, T, V]; T = 1 + max(lengths), a rider's row 0 is its real row
+            verdict = self._verify(proposal, result.logits[:nb], batch, generators, num_verified)
+            rider_tokens = self._sample(result.logits[nb:, 0], riders) if riders else []
+        if riders:
+            # The riders' target step is the same forward: their own interval, not engine time twice.
+            verify_interval = out.stage_intervals[-1]
+            out.stage_intervals.append(StageInterval("target_step", verify_interval.start, verify_interval.end,
+                                                     tuple(rider_ids)))
         with self._timed(out, "commit", request_ids):
             self._fault("commit", request_ids)
             accepted = verdict.accepted_len.tolist()
-            self.target.commit(states, [a + 1 for a in accepted])
+            self.target.commit(states, [a + 1 for a in accepted] + [1] * len(riders))
             self.drafter.append_context(
-                self.draft_pool, request_ids, [result.features[b, : accepted[b] + 1] for b in range(len(batch))]
+                self.draft_pool, request_ids, [result.features[b, : accepted[b] + 1] for b in range(nb)]
             )
             tokens = verdict.output_ids.tolist()
+            self._defer_context(request_ids + rider_ids, [nb + i for i, r in enumerate(riders) if self._drafts(r)],
+                                result.features)
         for b, request in enumerate(batch):
             emitted = tokens[b][: accepted[b] + 1]
             out.new_token_ids[request.request_id] = emitted
@@ -224,7 +258,8 @@ class ModelRunner:
             request.stats.peak_draft_pool_slots = max(
                 request.stats.peak_draft_pool_slots, self.draft_pool.request_len(request.request_id)
             )
-
+        for request, token in zip(riders, rider_tokens):
+            out.new_token_ids[request.request_id] = [token]
 
     def _flush_context(self, request_ids: list[str]) -> None:
         """Append the deferred positions of these requests to their draft contexts (one drafter pass)."""

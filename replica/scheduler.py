@@ -130,7 +130,9 @@ class FcfsScheduler(SchedulerInterface):
         verified = [runner_output.num_verified[r] for r in scheduler_output.speculative_ids
                     if r in runner_output.num_verified]
         if verified and times.verify > 0:
-            self.policy.costs.observe_speculative(len(verified), len(verified) + sum(verified), times.verify,
+            # the target-only requests rode in the verify forward, one row each (model_runner)
+            rows = len(verified) + sum(verified) + len(scheduler_output.target_only_ids)
+            self.policy.costs.observe_speculative(len(verified), rows, times.verify,
                                                   times.draft + times.tail + times.commit)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:

@@ -91,41 +91,57 @@ class LinearCost:
 
 @dataclass
 class CostModel:
-    """Seconds of a target forward (by rows) and of the speculative overhead (by drafting requests)."""
+    """Seconds of a target-only forward (by rows), of a verify forward (by rows) and of the
+    speculative overhead (by drafting requests).
+
+    The two forwards are separate lines: a verify also runs the verification (probabilities of
+    every row when sampling) and keeps each row's features, so its cost per row is well above a
+    target-only step's, and a shared line would forget the verify's slope during a stretch of
+    target-only steps (the decay counts observations, and those are mostly target-only)."""
 
     # A CPU's forward grows by several percent of its fixed cost per row; a GPU's barely grows.
-    forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
+    target_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
+    verify_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
     draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.3))
 
     def observe_target_step(self, rows: int, seconds: float) -> None:
-        self.forward.observe(rows, seconds)
+        self.target_forward.observe(rows, seconds)
 
     def observe_speculative(self, requests: int, rows: int, forward_seconds: float, overhead_seconds: float) -> None:
-        self.forward.observe(rows, forward_seconds)
+        """A step in which ``requests`` drafted; its one forward carried ``rows`` rows (requests
+        riding along with a single row included)."""
+        self.verify_forward.observe(rows, forward_seconds)
         self.draft_overhead.observe(requests, overhead_seconds)
 
     @property
     def ready(self) -> bool:
-        return self.forward.num_observations > 0 and self.draft_overhead.num_observations > 0
+        """A speculative step has been measured (a target-only step is bounded by it until measured)."""
+        return self.verify_forward.num_observations > 0 and self.draft_overhead.num_observations > 0
 
     def step_seconds(self, drafting: int, verify_rows: int, target_only: int) -> float:
-        """Predicted seconds of a step: one verify forward over ``verify_rows`` for ``drafting``
-        requests, one target-only forward over ``target_only`` requests (each only if non-empty)."""
-        seconds = 0.0
+        """Predicted seconds of a step in which ``drafting`` requests verify ``verify_rows`` rows in
+        all and ``target_only`` others decode one token: with anyone drafting, the others ride in
+        the same forward (one row each), so a step is one forward either way."""
         if drafting:
-            seconds += self.draft_overhead.predict(drafting) + self.forward.predict(verify_rows)
-        if target_only:
-            seconds += self.forward.predict(target_only)
-        return seconds
+            return self.draft_overhead.predict(drafting) + self.verify_forward.predict(verify_rows + target_only)
+        if not target_only:
+            return 0.0
+        if self.target_forward.num_observations == 0:
+            # Not measured yet: a verify forward of as many rows costs at least as much (it also
+            # verifies), so the first target-only step is chosen only when drafting gains nothing.
+            return self.verify_forward.predict(target_only)
+        return self.target_forward.predict(target_only)
 
 
 class AcceptanceProfile:
     """Decayed P(row t accepted | rows 1..t-1 accepted), t = 1..num_rows, for one request or an engine."""
 
-    def __init__(self, num_rows: int, prior: "AcceptanceProfile | None" = None, initial: float = 0.5):
+    def __init__(self, num_rows: int, prior: "AcceptanceProfile | None" = None, initial: float = 0.5,
+                 decay: float = _ACCEPT_DECAY):
         self.num_rows = num_rows
         self.prior = prior
         self.initial = initial
+        self.decay = decay
         self._accepted = [0.0] * num_rows
         self._seen = [0.0] * num_rows
 
@@ -158,8 +174,8 @@ class AcceptanceProfile:
     def observe(self, num_verified: int, accepted_len: int) -> None:
         """A cycle verified ``num_verified`` rows and accepted the first ``accepted_len`` of them."""
         for row in range(min(num_verified, accepted_len + 1)):
-            self._accepted[row] = _ACCEPT_DECAY * self._accepted[row] + (1.0 if row < accepted_len else 0.0)
-            self._seen[row] = _ACCEPT_DECAY * self._seen[row] + 1.0
+            self._accepted[row] = self.decay * self._accepted[row] + (1.0 if row < accepted_len else 0.0)
+            self._seen[row] = self.decay * self._seen[row] + 1.0
         if self.prior is not None:
             self.prior.observe(num_verified, accepted_len)
 

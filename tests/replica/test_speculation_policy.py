@@ -52,7 +52,8 @@ def test_acceptance_profile_learns_per_row_and_shares_a_prior():
 def _policy_with_costs(forward=(0.004, 0.0003), overhead=(0.002, 0.001)) -> SpeculationPolicy:
     policy = SpeculationPolicy(ROWS)
     for rows in (1, 8, 16, 30):
-        policy.costs.forward.observe(rows, forward[0] + forward[1] * rows)
+        policy.costs.target_forward.observe(rows, forward[0] + forward[1] * rows)
+        policy.costs.verify_forward.observe(rows, forward[0] + forward[1] * rows)
         policy.costs.draft_overhead.observe(rows % 8 + 1, overhead[0] + overhead[1] * (rows % 8 + 1))
     return policy
 
@@ -64,8 +65,8 @@ def test_a_perfect_profile_verifies_every_row_and_a_useless_one_none():
         policy.observe_cycle("bad", ROWS, 0)
     plan = policy.plan({"good": ROWS, "bad": ROWS})
     assert plan.draft_rows["good"] == ROWS
-    # "bad" rides along with at most one row: decoding it target-only would cost a second forward
-    assert plan.draft_rows.get("bad", 0) <= 1
+    # "bad" drafts nothing: it rides in good's verify forward with one row
+    assert "bad" not in plan.draft_rows
     alone = policy.plan({"bad": ROWS})
     assert alone.draft_rows == {}
     assert policy.plan({"good": 3}).draft_rows == {"good": 3}  # never past the remaining output
