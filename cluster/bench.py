@@ -134,11 +134,13 @@ def run_inline(engine, name: str, prompts: list[list[int]], concurrency: int, pa
 class StandaloneServer:
     """``dspine serve --standalone`` in a subprocess (its own process, as users run it)."""
 
-    def __init__(self, threads: int, max_concurrency: int):
+    def __init__(self, threads: int, max_concurrency: int, target_dir=None, draft_dir=None):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        models = [*(["--target", str(target_dir)] if target_dir else []),
+                  *(["--draft", str(draft_dir)] if draft_dir else [])]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dspine.cluster.cli", "serve", "--standalone", "--port", "0", "--device", "cpu",
-             "--dtype", "float32", "--max-concurrency", str(max_concurrency)],
+             "--dtype", "float32", "--max-concurrency", str(max_concurrency), *models],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         line = self.proc.stdout.readline()
         if "serving on" not in line:
@@ -380,3 +382,44 @@ def bench_tracing_overhead(engine, prompts: list[list[int]], params, repeats: in
     return {"tracing_on_vs_off_median": round(statistics.median(ratios), 4),
             "off_median_s": round(statistics.median(off_s), 4), "on_median_s": round(statistics.median(on_s), 4),
             "pairs": len(ratios)}
+
+
+# ------------------------------------------------------------------ the sweep, served
+def bench_sweep_server(prompts: list[list[int]], repeats: int = 3, seed: int = 0, regimes=None, threads: int = 2,
+                       target_dir=None, draft_dir=None) -> list[dict]:
+    """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
+    through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
+    the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
+    median of the paired ratios. Rows as :func:`dspine.replica.bench.bench_sweep`'s (the policy's
+    counters live in the server, so acceptance and drafting share are not reported)."""
+    from dspine.replica.bench import SWEEP_REGIMES
+
+    regimes = SWEEP_REGIMES if regimes is None else regimes
+    server = StandaloneServer(threads, 8, target_dir, draft_dir)
+    rows = []
+    try:
+        asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
+                             dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
+        for name, overrides, max_new_tokens, concurrency in regimes:
+            group = prompts if concurrency == 1 else (prompts * concurrency)[: max(len(prompts), concurrency)]
+            sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            tokens: dict[bool, list[int]] = {False: [], True: []}
+            for repeat in range(repeats):
+                for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
+                    report = asyncio.run(run_load(server.address, name, group, concurrency,
+                                                  {**sampling, "speculative": speculative}))
+                    if report.errors:
+                        raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
+                    rates[speculative].append(report.tokens_per_s)
+                    tokens[speculative].append(report.tokens)
+            ratios = [spec / base for spec, base in zip(rates[True], rates[False])]
+            rows.append({"regime": name, "speedup": statistics.median(ratios), "run_speedups": ratios,
+                         "target_only_tokens_per_s": statistics.median(rates[False]),
+                         "speculative_tokens_per_s": statistics.median(rates[True]),
+                         "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,
+                         "identical_greedy_output": None,
+                         "tokens": {"target_only": tokens[False], "speculative": tokens[True]}})
+    finally:
+        server.close()
+    return rows

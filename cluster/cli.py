@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--sweep", action="store_true",
                               help="run the regimes of the speculation policy (greedy, first 48 tokens, sampled, "
                                    "8 in flight), target-only and speculative interleaved, and print one table")
+    bench_engine.add_argument("--through-server", action="store_true",
+                              help="with --sweep: also run the sweep through the standalone gRPC server "
+                                   "(a subprocess, streamed through the SDK)")
     bench_engine.add_argument("--tracing", action="store_true",
                               help="also measure decode time with tracing on vs off (paired, same run)")
     bench_cluster = bench_kinds.add_parser("cluster", help="the serving path (standalone server, Ray cluster with "
@@ -393,9 +396,22 @@ def cmd_bench(args) -> int:
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     if args.sweep:
         engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=8))
+        seed = 0 if args.seed is None else args.seed
         rows = bench.bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                                 repeats=args.repeats, seed=0 if args.seed is None else args.seed)
-        print(json.dumps(rows, indent=2) if args.json else bench.format_sweep(rows))
+                                 repeats=args.repeats, seed=seed)
+        served = None
+        if args.through_server:
+            from .bench import bench_sweep_server
+
+            served = bench_sweep_server(bench.heldout_prompts(engine, args.num_prompts, args.prompt_len),
+                                        repeats=args.repeats, seed=seed, target_dir=target_dir, draft_dir=draft_dir)
+        if args.json:
+            print(json.dumps(rows if served is None else {"inline": rows, "server": served}, indent=2))
+        else:
+            print(bench.format_sweep(rows))
+            if served is not None:
+                print("\nthrough the standalone gRPC server (SDK streaming, same prompts):")
+                print(bench.format_sweep(served))
         return 0
     engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=max(args.concurrency, 1)))
     report = bench.bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,

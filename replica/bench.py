@@ -333,11 +333,14 @@ def format_sweep(rows: list[dict]) -> str:
     lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'accepted':>9} {'verified':>9}"
              f" {'drafting':>9}  identical",
              "-" * 106]
+    def figure(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     for row in rows:
         share = "-" if row["drafting_share"] is None else f"{100 * row['drafting_share']:.0f}%"
         identical = "" if row["identical_greedy_output"] is None else str(row["identical_greedy_output"])
         lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
-                     f" t/s {row['speedup']:6.2f}x {row['mean_accepted_len']:9.2f} {row['mean_verified_len']:9.2f}"
+                     f" t/s {row['speedup']:6.2f}x {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
                      f" {share:>9}  {identical}")
     lowest = min(rows, key=lambda row: row["speedup"])
     lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); drafting = share of the speculative runs' "
