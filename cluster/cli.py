@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--sweep", action="store_true",
                               help="run the regimes of the speculation policy (greedy, first 48 tokens, sampled, "
                                    "8 in flight), target-only and speculative interleaved, and print one table")
+    bench_engine.add_argument("--plot", metavar="FILE.png",
+                              help="also draw the accepted-length histogram and the per-token stage costs beside "
+                                   "target-only (needs the plot extra: matplotlib)")
     bench_engine.add_argument("--through-server", action="store_true",
                               help="with --sweep: also run the sweep through the standalone gRPC server "
                                    "(a subprocess, streamed through the SDK)")
@@ -413,6 +416,14 @@ def cmd_bench(args) -> int:
                 print("\nthrough the standalone gRPC server (SDK streaming, same prompts):")
                 print(bench.format_sweep(served))
         return 0
+    if args.plot:  # before minutes of benchmarking, not after
+        from .bench_plot import PlotUnavailableError, require_pyplot
+
+        try:
+            require_pyplot()
+        except PlotUnavailableError as e:
+            print(f"dspine bench: error: {e}", file=sys.stderr)
+            return 2
     engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=max(args.concurrency, 1)))
     report = bench.bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,
                                 prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
@@ -435,6 +446,12 @@ def cmd_bench(args) -> int:
                   f"{overhead['off_median_s'] * 1000:.1f} ms)")
         if args.trace_out:
             print(f"wrote {args.trace_out} (open in ui.perfetto.dev)")
+    if args.plot:
+        from .bench_plot import plot_engine_bench
+
+        plot_engine_bench(report, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
     return 0
 
 

@@ -121,9 +121,14 @@ def _bench_engine_figures(out: str) -> dict:
     return figures
 
 
-def test_bench_engine_prints_ratio_and_accepted_length():
+def test_bench_engine_prints_ratio_and_accepted_length(tmp_path):
+    plot = tmp_path / "bench.png"
     out = dspine("bench", "engine", "--num-prompts", "1", "--prompt-len", "16", "--max-new-tokens", "8",
-                 "--repeats", "1").stdout
+                 "--repeats", "1", "--plot", str(plot)).stdout
+    assert f"wrote {plot}" in out
+    png = plot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert int.from_bytes(png[16:20], "big") == 1100 and int.from_bytes(png[20:24], "big") == 420
     f = _bench_engine_figures(out)
     assert f["target_only"][1] == f["speculative"][1] == "8"
     target_only, speculative = float(f["target_only"][0]), float(f["speculative"][0])
