@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dspine.progress import Progress
 from .config import EngineConfig
 from .engine import Engine
 from .sampling import SamplingParams
@@ -238,6 +239,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     records: list[StepRecord] = []
     if trace_out is not None:
         engine.add_step_observer(records.append)
+    progress = Progress(repeats * len(groups), "bench engine", unit="paired groups")
     for repeat in range(repeats):
         if repeat == 1 and trace_out is not None:
             engine.remove_step_observer(records.append)
@@ -250,6 +252,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
                 start = time.perf_counter()
                 results[speculative] += engine.generate_many(group, params, speculative=speculative)
                 seconds[speculative] += time.perf_counter() - start
+            progress.update(1)
         base_seconds.append(seconds[False])
         spec_seconds.append(seconds[True])
         base_results = base_results or results[False]
@@ -259,6 +262,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
             cycles += result.stats.spec.num_cycles
         target_step += sum(r.stats.stage_times.target_step for r in results[False])
         base_steps += sum(max(0, r.stats.num_output_tokens - 1) for r in results[False])
+    progress.close()
     if trace_out is not None:
         if repeats == 1:
             engine.remove_step_observer(records.append)

@@ -160,14 +160,21 @@ def test_train_target_then_draft_rebuilds_a_loadable_pair(tmp_path):
     """The README's rebuild commands on a 2-file corpus and 2 steps each (~25 s): the outputs load
     through the ordinary loaders and `dspine generate` decodes losslessly with them."""
     target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
-    out = dspine("train", "target", "--out", str(target_dir), "--steps", "2", "--max-files", "2", "--seq-len", "32",
-                 "--batch-size", "2", timeout=300).stdout
+    done = dspine("train", "target", "--out", str(target_dir), "--steps", "2", "--max-files", "2", "--seq-len", "32",
+                  "--batch-size", "2", timeout=300)
+    out = done.stdout
     assert re.search(r"held-out perplexity \d", out), out
+    # progress off a terminal: a plain line (no bar's carriage returns) with the count and elapsed time
+    assert re.search(r"^train target: 2/2 steps \(100%\), elapsed \d", done.stderr, re.M), done.stderr
+    assert "\r" not in done.stderr
     summary = json.loads((target_dir / "train_summary.json").read_text())
     assert summary["steps"] == 2 and summary["parameters"] > 0
-    out = dspine("train", "draft", "--target", str(target_dir), "--out", str(draft_dir), "--steps", "2",
-                 "--max-files", "2", "--num-sequences", "8", "--threads", "1", timeout=300).stdout
+    done = dspine("train", "draft", "--target", str(target_dir), "--out", str(draft_dir), "--steps", "2",
+                  "--max-files", "2", "--num-sequences", "8", "--threads", "1", timeout=300)
+    out = done.stdout
     assert f"drafter saved to {draft_dir}" in out, out
+    assert re.search(r"^train draft: 2/2 steps \(100%\), elapsed \d", done.stderr, re.M), done.stderr
+    assert re.search(r"^train continuations: 8/8 sequences", done.stderr, re.M), done.stderr
     assert json.loads((draft_dir / "train_summary.json").read_text())["num_sequences"] == 8
 
     printed = json.loads(dspine("generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompt", PROMPT,

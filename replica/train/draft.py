@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dspine.progress import Progress
 from ..models.dspine import DSpineDrafter
 from ..models.dspine_checkpoint import save_drafter
 from ..models.dspine_config import DraftArgs
@@ -251,11 +252,14 @@ def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg:
             raise ValueError(f"{prefix}: its prompt lengths do not match the settings it was saved with")
         log(f"distillation data ({split}): the first {first} sequences from {prefix}")
     start = time.time()
+    progress = Progress(count - first, f"{split} continuations", unit="sequences")
     for b0 in range(first, count, cfg.gen_batch):
         batch = torch.tensor(prompts[b0 : b0 + cfg.gen_batch], dtype=torch.long)
         rows.append(greedy_continue(target, batch, cfg.seq_len))
         done = b0 + batch.shape[0]
         log(f"  generated {done}/{count} {split} continuations ({time.time() - start:.0f} s)")
+        progress.update(batch.shape[0])
+    progress.close()
     tokens, prompt_len = torch.cat(rows), torch.tensor(lens, dtype=torch.long)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -512,6 +516,7 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     N, L = tokens.shape
     history, first, last = [], None, None
     train_start = time.time()
+    progress = Progress(cfg.steps, "train draft", unit="steps")
     for step in range(cfg.steps):
         lr = _lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -537,6 +542,8 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
             log(f"step {step:5d}  loss {mean['loss']:.3f} (main {mean['main']:.3f}, tail {mean['tail']:.3f})  "
                 f"accept {mean['accept']:.2f}  lr {lr:.2e}  {rate:.2f} s/step")
             last = mean
+        progress.update(1, loss=round(row["loss"], 3), accept=round(row["accept"], 2))
+    progress.close()
     train_seconds = time.time() - train_start
     drafter.eval()
     # The shipped weights are BF16; the held-out estimate below reads exactly those.

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dspine.progress import Progress
 from ..models.loader import save_target
 from ..models.target import TargetModel
 from ..models.target_config import TargetArgs
@@ -127,6 +128,7 @@ def train_target(cfg: TargetTrainConfig, log=None) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     start = time.time()
     model.train()
+    progress = Progress(cfg.steps, "train target", unit="steps")
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg)
@@ -141,6 +143,8 @@ def train_target(cfg: TargetTrainConfig, log=None) -> dict:
             elapsed = time.time() - start
             tokens_per_s = (step + 1) * cfg.batch_size * cfg.seq_len / elapsed
             log(f"step {step:5d}  loss {loss.item():.3f}  lr {_lr_at(step, cfg):.2e}  {tokens_per_s:,.0f} tok/s")
+        progress.update(1, loss=round(loss.item(), 3))
+    progress.close()
     model.eval()
     # The shipped weights are BF16 (half the size); perplexity is measured on exactly those.
     save_target(model.to(torch.bfloat16), out)
