@@ -29,6 +29,7 @@ import torch
 from .config import EngineConfig
 from .device_thread import DeviceThread
 from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
+from .memory_plan import MemoryPlan, MemoryPlanError, draft_pool_slots, plan_for_engine
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling import SamplingParams
@@ -83,6 +84,30 @@ class EngineLoad:
         return self.max_concurrency - self.in_flight
 
 
+def _check_memory_plan(target_args, draft_args, config: EngineConfig, max_seq_len: int,
+                       target_weight_bytes: int | None = None) -> MemoryPlan:
+    """The engine's memory plan; raises :class:`MemoryPlanError` when it does not fit (and the check is on)."""
+    plan = plan_for_engine(target_args, draft_args, config, max_seq_len, target_weight_bytes)
+    if config.memory_check and not plan.fits:
+        raise MemoryPlanError(plan)
+    logger.info("%s", plan.format())
+    return plan
+
+
+def _precheck_memory_plan(target_dir, draft_dir, config: EngineConfig) -> None:
+    """The plan from the config files alone, so that a misfit fails before gigabytes are loaded."""
+    import json
+
+    from .models.dspine_config import DraftArgs
+    from .models.target_config import TargetArgs
+
+    target_args = TargetArgs.from_hf_config(json.loads((Path(target_dir) / "config.json").read_text()))
+    draft_args = None
+    if draft_dir is not None:
+        draft_args = DraftArgs.from_config(json.loads((Path(draft_dir) / "config.json").read_text()))
+    _check_memory_plan(target_args, draft_args, config, config.max_seq_len or target_args.max_position_embeddings)
+
+
 class Engine:
     """Target-plus-DSpine engine for one device. Thread-safe; at most ``max_concurrency`` requests."""
 
@@ -96,6 +121,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len or target.args.max_position_embeddings
         self.block_size = drafter.args.block_size if drafter is not None else 0
+        # Before the draft pool and tail tables exist: a configuration that cannot fit is refused here.
+        self.memory_plan = _check_memory_plan(target.args, drafter.args if drafter is not None else None, config,
+                                              self.max_seq_len, sum(p.numel() * p.element_size()
+                                                                    for p in target.parameters()))
         draft_pool, tail_tables = self._device_thread.call(self._build_draft_side)
         self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
         policy = None
@@ -117,6 +146,8 @@ class Engine:
         """Load an HF-format target directory and optionally a DSpine draft directory."""
         from .models.loader import load_target
         from .tokenizer import Tokenizer
+
+        _precheck_memory_plan(target_dir, draft_dir, config)  # before any weight is loaded
 
         def load():
             target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
@@ -143,11 +174,11 @@ class Engine:
         # The default sizes hold every admitted request at its largest; the + 1 is the pool's
         # padding sink (slot 0, never allocated). Without it 8 ring requests that all reach a full
         # window need one slot more than exists, and one of them fails.
+        slots = draft_pool_slots(self.config.draft_pool, self.config.max_concurrency, self.max_seq_len, args.window,
+                                 self.config.draft_pool_tokens)
         if self.config.draft_pool == "ring":
-            slots = self.config.draft_pool_tokens or self.config.max_concurrency * args.window + 1
             pool = RingDraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         else:
-            slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len + 1
             pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         mode = self.config.retrieval_mode
         tables = TailTables.from_drafter(self.drafter, fp8_retrieval=mode == "fp8", bf16_retrieval=mode == "bf16")
