@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
+from .admission import DraftPoolCapacity, MemoryAdmission, TargetTokenCapacity
 from .config import EngineConfig
 from .device_thread import DeviceThread
 from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
@@ -78,6 +79,11 @@ class EngineLoad:
     num_steps: int
     num_finished: int
     seconds_since_progress: float | None  # since the last step or idle-ending admission; None before any
+    # Memory admission (replica/admission.py): tokens not reserved by admitted requests, per pool
+    # (None: unbounded / no such pool), and requests admitted that wait for memory.
+    free_target_tokens: int | None = None
+    free_draft_tokens: int | None = None
+    waiting_for_memory: int = 0
 
     @property
     def free_slots(self) -> int:
@@ -130,7 +136,14 @@ class Engine:
         policy = None
         if drafter is not None and config.adaptive_speculation:
             policy = SpeculationPolicy(self.block_size - 1)
-        self.scheduler = FcfsScheduler(config.max_concurrency, policy)
+        # Admission by memory (replica/admission.py): the target's K/V (bounded when configured; a
+        # paged pool plugs in as PagedKvCapacity) and the draft KV pool.
+        pools = [TargetTokenCapacity(config.target_kv_tokens, self._target_tokens_in_use)]
+        if draft_pool is not None:
+            pools.append(DraftPoolCapacity(draft_pool))
+        self.admission = MemoryAdmission(pools, self.max_seq_len, config.admission_reservation, self.block_size)
+        self.scheduler = FcfsScheduler(config.max_concurrency, policy, self.admission, config.prefill_chunk_tokens,
+                                       refuse_when_full=config.admission_when_full == "refuse")
         self.stats = EngineStats(spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
         self._lock = threading.RLock()
         self._sinks: dict[str, Callable[[StreamChunk], None]] = {}
@@ -163,6 +176,13 @@ class Engine:
         target, drafter = device_thread.call(load)
         tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
         return cls(target, drafter, tokenizer, config, device_thread)
+
+    def _target_tokens_in_use(self) -> int:
+        """Positions held by live target states (a snapshot; read off the device thread too)."""
+        try:
+            return sum(s.num_tokens + s.num_pending for s in list(self.runner.states.values()))
+        except RuntimeError:  # the dict changed under the read: one step's staleness is fine
+            return 0
 
     def _build_draft_side(self):
         if self.drafter is None:
@@ -485,6 +505,7 @@ class Engine:
         probe never waits for a step to end; the fields may be one step apart."""
         pool = self.runner.draft_pool
         stats = self.stats
+        free = self.admission.free_tokens()
         return EngineLoad(
             in_flight=self.scheduler.num_unfinished,
             max_concurrency=self.config.max_concurrency,
@@ -496,6 +517,9 @@ class Engine:
             num_steps=stats.num_steps,
             num_finished=stats.num_finished,
             seconds_since_progress=time.monotonic() - stats.last_progress if stats.last_progress else None,
+            free_target_tokens=free.get("target K/V"),
+            free_draft_tokens=free.get("draft KV pool"),
+            waiting_for_memory=self.scheduler.num_waiting_for_memory(),
         )
 
     def check_health(self, stall_s: float = 60.0) -> None:
