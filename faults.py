@@ -29,6 +29,11 @@ FAULTS: dict[str, str] = {
                                   "drawn from the residual [p - q]+ of the next row instead of from p",
     "runner.p_without_temperature": "the target's p used by verification ignores the request's temperature",
     "runner.p_without_top_p": "the target's p used by verification ignores the request's top-p",
+    "runner.no_draft_pool_fallback": "a speculative request the draft KV pool cannot extend is drafted anyway "
+                                     "(DraftPoolExhausted fails it) instead of decoding target-only",
+    "runner.chunk_features_dropped": "chunked prefill appends only the last chunk's features to the drafter's "
+                                     "context",
+    "scheduler.admission_ignores_memory": "the scheduler starts a waiting request whatever its reservation",
 }
 
 _active: frozenset[str] = frozenset()

@@ -55,6 +55,7 @@ class EngineStats:
     spec: SpecDecodingStats | None = None
     peak_draft_pool_used: int = 0
     peak_in_flight: int = 0  # high-water mark of admitted, unfinished requests
+    num_draft_demoted: int = 0  # speculative requests the draft pool could not extend (went target-only)
     recent_accepted_len: float = 0.0  # accepted draft tokens per cycle, exponentially decayed
     # time.monotonic() at the end of the latest step, or at the admission that ended an idle
     # spell: a health check measures a stall from here.
@@ -305,6 +306,7 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.stage_times.add(runner_output.stage_times)
         self.stats.peak_draft_pool_used = max(self.stats.peak_draft_pool_used, runner_output.draft_pool_used)
+        self.stats.num_draft_demoted += len(runner_output.draft_demoted)
         if self.stats.spec is not None:
             for request_id, accepted in runner_output.accepted_len.items():
                 self.stats.spec.observe_draft(runner_output.num_verified.get(request_id, self.block_size - 1), accepted)

@@ -188,8 +188,11 @@ class ModelRunner:
             if request.speculative and request.request_id not in self._demoted:
                 if not self.draft_pool.has_request(request.request_id):
                     self.draft_pool.alloc_request(request.request_id)
-                if not self.draft_pool.can_append([request.request_id], [lengths[b]]):
+                if not self.draft_pool.can_append([request.request_id], [lengths[b]]) and not faults.active(
+                        "runner.no_draft_pool_fallback"):
                     self._demote(request.request_id, out)
+                    continue
+                if faults.active("runner.chunk_features_dropped") and not last[b]:
                     continue
                 self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
         finishing = [b for b in range(len(batch)) if last[b]]

@@ -12,6 +12,8 @@ import abc
 from collections import deque
 from dataclasses import dataclass
 
+from dspine import faults
+
 from .admission import MemoryAdmission
 from .errors import EngineFullError
 from .request import Request
@@ -112,7 +114,8 @@ class FcfsScheduler(SchedulerInterface):
                 break
             request = self.requests[request_id]
             if self.admission is not None and not self.admission.is_reserved(request_id):
-                if self.admission.try_reserve(request) is not None:
+                if self.admission.try_reserve(request) is not None and not faults.active(
+                        "scheduler.admission_ignores_memory"):
                     break  # first come first served: the head waits for memory, so do those behind it
             start = self._prefilled[request_id]
             prompt_len = request.stats.num_prompt_tokens
