@@ -8,7 +8,7 @@
     dspine info --draft-preset dspine-27b-b16
     dspine plan [--target-preset NAME | --target DIR] [--draft-preset NAME | --draft DIR] [--device-memory 141GB]
                 [--max-concurrency 8] [--max-seq-len 8192] [--draft-pool dense|ring]   # exit 1: does not fit
-    dspine bench target | engine
+    dspine bench target | engine | prefill | cluster
     dspine train target | draft
 
 Without ``--target`` the embedded tiny trained pair is used. Heavy imports
@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "8 in flight), target-only and speculative interleaved, and print one table")
     bench_engine.add_argument("--tracing", action="store_true",
                               help="also measure decode time with tracing on vs off (paired, same run)")
+    bench_prefill = bench_kinds.add_parser("prefill", help="peak activation memory of a long prefill: chunked vs "
+                                                          "unchunked (same run)")
+    bench_prefill.add_argument("--target", help="HF-format target directory (default: the embedded target)")
+    bench_prefill.add_argument("--draft", help="DSpine draft directory (default: the embedded drafter)")
+    bench_prefill.add_argument("--prompt-len", type=int, default=4096)
+    bench_prefill.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens of the chunked run")
+    bench_prefill.add_argument("--no-spec", action="store_true", help="target-only (no drafter context)")
+    bench_prefill.add_argument("--json", action="store_true")
     bench_cluster = bench_kinds.add_parser("cluster", help="the serving path (standalone server, Ray cluster with "
                                                            "1 and 2 replicas) vs the engine inline")
     bench_cluster.add_argument("--num-prompts", type=int, default=8)
@@ -437,6 +445,15 @@ def cmd_bench(args) -> int:
     from dspine.replica import bench
 
     from .embedded import resolve_model_dirs
+
+    if args.bench == "prefill":
+        from dspine.replica.bench_prefill import bench_prefill, format_report
+
+        target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=not args.no_spec)
+        result = bench_prefill(target_dir, None if args.no_spec else draft_dir, prompt_len=args.prompt_len,
+                               chunk=args.chunk, speculative=not args.no_spec)
+        print(json.dumps(result, indent=2) if args.json else format_report(result))
+        return 0
 
     if args.bench == "target":
         target_dir, _ = resolve_model_dirs(args.target, None, speculative_needed=False)
