@@ -96,3 +96,19 @@ def test_from_pretrained_refuses_before_loading(monkeypatch):
     with pytest.raises(MemoryPlanError):
         Engine.from_pretrained(embedded.TARGET_DIR, embedded.DRAFT_DIR,
                                EngineConfig(device="cpu", device_memory=16 * MiB))
+
+
+def test_readme_shows_the_plans_as_computed():
+    from pathlib import Path
+
+    from dspine.replica.memory_plan import _fmt
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for line in _plan().format().splitlines()[1:]:
+        assert line in readme, line
+    for flags, plan in (("(8 x 8,192, dense)", _plan()), ("`--draft-pool ring`", _plan(pool="ring")),
+                        ("`--max-seq-len 131072`", _plan(131_072)),
+                        ("`--max-seq-len 131072 --draft-pool ring`", _plan(131_072, "ring"))):
+        row = (f"| {flags} | {_fmt(plan.line('target K/V').bytes)} | {_fmt(plan.line('draft pool').bytes)} | "
+               f"{_fmt(plan.total_bytes)} | {_fmt(plan.left_bytes)} | {0 if plan.fits else 1} |")
+        assert row in readme, row
