@@ -104,3 +104,12 @@ def test_prefill_activation_peak_is_bounded_by_the_chunk(build, hybrid_target):
     assert peaks[4096, 1024] > 1.8 * peaks[4096, 512]  # unchunked: grows with the prompt
     assert peaks[64, 1024] < 1.3 * peaks[64, 512]  # chunked: the chunk's (plus the K/V it keeps)
     assert peaks[64, 1024] < peaks[4096, 1024] / 3
+
+
+def test_chunked_prefill_sampled_output_is_the_unchunked_one(build, hybrid_target):
+    # the first token is drawn once, after the last chunk, from the request's own generator
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=12, ignore_eos=True)
+    prompts = _prompts(512, [50, 7])
+    got = build.engine(hybrid_target, window=6, prefill_chunk_tokens=16).generate_many(prompts, params)
+    want = build.engine(hybrid_target, window=6).generate_many(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]

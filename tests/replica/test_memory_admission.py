@@ -122,3 +122,16 @@ def test_capacity_adapters_speak_the_interface():
 
     ring = DraftPoolCapacity(Ring())
     assert (ring.tokens_for(50), ring.tokens_for(5), ring.free_tokens()) == (8, 5, 40)
+
+
+def test_cluster_engine_settings_carry_the_memory_knobs():
+    from pydantic import ValidationError
+
+    from dspine.cluster.config import EngineSettings
+
+    config = EngineSettings(device_memory="141GB", target_kv_tokens=1000, admission_when_full="refuse",
+                            admission_reservation="prompt", prefill_chunk_tokens=512).engine_config(1)
+    assert (config.device_memory, config.target_kv_tokens, config.admission_when_full,
+            config.admission_reservation, config.prefill_chunk_tokens) == (141 * 10**9, 1000, "refuse", "prompt", 512)
+    with pytest.raises(ValidationError, match="device_memory"):
+        EngineSettings(device_memory="lots")
