@@ -113,3 +113,4 @@ def test_chunked_prefill_sampled_output_is_the_unchunked_one(build, hybrid_targe
     got = build.engine(hybrid_target, window=6, prefill_chunk_tokens=16).generate_many(prompts, params)
     want = build.engine(hybrid_target, window=6).generate_many(prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
