@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["FAULTS", "active", "inject"]
+__all__ = ["FAULTS", "MEMORY_FAULTS", "active", "inject"]
 
 FAULTS: dict[str, str] = {
     "tail.q_from_wrong_row": "the tail's q (and confidence) read the table row of the token's own slot "
@@ -31,6 +31,19 @@ FAULTS: dict[str, str] = {
     "runner.p_without_top_p": "the target's p used by verification ignores the request's top-p",
 }
 
+# Faults of memory management, not of losslessness (so no sampled-fit case covers them): each is
+# caught by the memory tests named beside it.
+MEMORY_FAULTS: dict[str, str] = {
+    # tests/replica/test_memory_admission.py::test_draft_pool_running_out_never_fails_an_admitted_request
+    "runner.no_draft_pool_fallback": "a speculative request the draft KV pool cannot extend is drafted anyway "
+                                     "(DraftPoolExhausted fails it) instead of decoding target-only",
+    # tests/replica/test_chunked_prefill.py::test_drafter_context_check_fails_when_chunk_features_are_dropped
+    "runner.chunk_features_dropped": "chunked prefill appends only the last chunk's features to the drafter's "
+                                     "context",
+    # tests/replica/test_memory_admission.py::test_admission_check_fails_when_memory_is_ignored
+    "scheduler.admission_ignores_memory": "the scheduler starts a waiting request whatever its reservation",
+}
+
 _active: frozenset[str] = frozenset()
 
 
@@ -43,9 +56,10 @@ def active(name: str) -> bool:
 def inject(*names: str) -> Iterator[None]:
     """Switch the named faults on for the duration of the block (tests only)."""
     global _active
-    unknown = [n for n in names if n not in FAULTS]
+    known = {**FAULTS, **MEMORY_FAULTS}
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"names: unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+        raise ValueError(f"names: unknown fault(s) {unknown}; known: {sorted(known)}")
     before = _active
     _active = before | frozenset(names)
     try:

@@ -6,7 +6,9 @@
     dspine status [--address ADDR] [--app NAME] [--json]
     dspine deploy FILE [--check] [--address URL]
     dspine info --draft-preset dspine-27b-b16
-    dspine bench target | engine
+    dspine plan [--target-preset NAME | --target DIR] [--draft-preset NAME | --draft DIR] [--device-memory 141GB]
+                [--max-concurrency 8] [--max-seq-len 8192] [--draft-pool dense|ring]   # exit 1: does not fit
+    dspine bench target | engine | prefill | cluster
     dspine train target | draft
 
 Without ``--target`` the embedded tiny trained pair is used. Heavy imports
@@ -97,6 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print a drafter preset's memory report")
     info.add_argument("--draft-preset", default="dspine-27b-b16")
 
+    plan = commands.add_parser("plan", help="the memory plan of a target + drafter on one device (exit 1: does "
+                                            "not fit)")
+    plan.add_argument("--target-preset", default="Qwen3.8-27B", help="target preset (default: the 27B reference)")
+    plan.add_argument("--target", help="HF-format target directory (its config.json; overrides --target-preset)")
+    plan.add_argument("--draft-preset", default="dspine-27b-b16", help="drafter preset")
+    plan.add_argument("--draft", help="DSpine draft directory (its config.json; overrides --draft-preset)")
+    plan.add_argument("--no-draft", action="store_true", help="target only")
+    plan.add_argument("--device-memory", default="141GB", help="device memory: 141GB, 139GiB or bytes")
+    plan.add_argument("--max-concurrency", type=int, default=8)
+    plan.add_argument("--max-seq-len", type=int, default=8192, help="context (prompt + output) per request")
+    plan.add_argument("--draft-pool", default="dense", choices=["dense", "ring"])
+    plan.add_argument("--draft-pool-tokens", type=int, default=None, help="draft pool slots (default: every request "
+                                                                          "at its largest)")
+    plan.add_argument("--dtype-bytes", type=int, default=2, help="bytes per target element (2: BF16)")
+    plan.add_argument("--retrieval", default="fp8", choices=["fp8", "bf16", "exact"])
+    plan.add_argument("--prefill-chunk-tokens", type=int, default=4096)
+    plan.add_argument("--verify-keeps", default="inputs", choices=["inputs", "states"],
+                      help="what a verify keeps per GDN position for the prefix commit")
+    plan.add_argument("--reserved", default="0", help="memory kept off the plan (CUDA context, slack), e.g. 2GiB")
+    plan.add_argument("--json", action="store_true")
+
     bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     bench_target = bench_kinds.add_parser("target", help="target-only decode tokens/s: ours vs transformers")
@@ -125,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(a subprocess, streamed through the SDK)")
     bench_engine.add_argument("--tracing", action="store_true",
                               help="also measure decode time with tracing on vs off (paired, same run)")
+    bench_prefill = bench_kinds.add_parser("prefill", help="peak activation memory of a long prefill: chunked vs "
+                                                          "unchunked (same run)")
+    bench_prefill.add_argument("--target", help="HF-format target directory (default: the embedded target)")
+    bench_prefill.add_argument("--draft", help="DSpine draft directory (default: the embedded drafter)")
+    bench_prefill.add_argument("--prompt-len", type=int, default=4096)
+    bench_prefill.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens of the chunked run")
+    bench_prefill.add_argument("--no-spec", action="store_true", help="target-only (no drafter context)")
+    bench_prefill.add_argument("--json", action="store_true")
     bench_cluster = bench_kinds.add_parser("cluster", help="the serving path (standalone server, Ray cluster with "
                                                            "1 and 2 replicas) vs the engine inline")
     bench_cluster.add_argument("--num-prompts", type=int, default=8)
@@ -374,6 +405,40 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from dspine.replica.memory_plan import PlanConfig, parse_size, plan_memory
+    from dspine.replica.models.dspine_config import DraftArgs
+    from dspine.replica.models.target_config import TargetArgs
+
+    if args.target:
+        target = TargetArgs.from_hf_config(json.loads((Path(args.target) / "config.json").read_text()))
+    else:
+        target = TargetArgs.from_name(args.target_preset)
+    drafter = None
+    if args.draft:
+        drafter = DraftArgs.from_config(json.loads((Path(args.draft) / "config.json").read_text()))
+    elif not args.no_draft:
+        drafter = DraftArgs.from_name(args.draft_preset)
+    config = PlanConfig(device_memory_bytes=parse_size(args.device_memory), max_concurrency=args.max_concurrency,
+                        max_seq_len=args.max_seq_len, draft_pool=args.draft_pool,
+                        draft_pool_tokens=args.draft_pool_tokens, dtype_bytes=args.dtype_bytes,
+                        draft_dtype_bytes=args.dtype_bytes, retrieval=args.retrieval,
+                        verify_rows=drafter.block_size if drafter is not None else 1,
+                        verify_keeps=args.verify_keeps, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                        reserved_bytes=parse_size(args.reserved))
+    plan = plan_memory(target, drafter, config)
+    if args.json:
+        print(json.dumps({"fits": plan.fits, "total_bytes": plan.total_bytes, "left_bytes": plan.left_bytes,
+                          "device_memory_bytes": plan.device_memory_bytes,
+                          "lines": [dataclasses.asdict(line) for line in plan.lines]}, indent=2))
+    else:
+        print(plan.format())
+    return 0 if plan.fits else 1
+
+
 def cmd_bench(args) -> int:
     if args.bench == "cluster":
         from .bench import bench_cluster, format_report
@@ -386,6 +451,15 @@ def cmd_bench(args) -> int:
     from dspine.replica import bench
 
     from .embedded import resolve_model_dirs
+
+    if args.bench == "prefill":
+        from dspine.replica.bench_prefill import bench_prefill, format_report
+
+        target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=not args.no_spec)
+        result = bench_prefill(target_dir, None if args.no_spec else draft_dir, prompt_len=args.prompt_len,
+                               chunk=args.chunk, speculative=not args.no_spec)
+        print(json.dumps(result, indent=2) if args.json else format_report(result))
+        return 0
 
     if args.bench == "target":
         target_dir, _ = resolve_model_dirs(args.target, None, speculative_needed=False)
@@ -458,7 +532,7 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "status": cmd_status, "deploy": cmd_deploy,
-                "info": cmd_info, "bench": cmd_bench, "train": cmd_train}
+                "info": cmd_info, "plan": cmd_plan, "bench": cmd_bench, "train": cmd_train}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as e:

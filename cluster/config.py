@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "DSpineIngress"
@@ -53,6 +53,27 @@ class EngineSettings(_Strict):
     verify_threshold: float | None = Field(None, ge=0.0, lt=1.0, description="None: the engine's default")
     retrieval: Literal["auto", "exact", "fp8", "bf16"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads per replica; None: the replica's num_cpus")
+    device_memory: str | None = Field(None, description="device memory the start-up memory plan checks against "
+                                                        "(e.g. 141GB, 139GiB); None: detected")
+    prefill_chunk_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled per step (chunked prefill)")
+    target_kv_tokens: int | None = Field(None, ge=1, description="target K/V positions admission hands out; "
+                                                                 "None: unbounded")
+    admission_reservation: Literal["max_new_tokens", "prompt"] = Field(
+        "max_new_tokens", description="tokens a request reserves per pool: prompt + max_new_tokens, or prompt + "
+                                      "one block")
+    admission_when_full: Literal["queue", "refuse"] = Field(
+        "queue", description="a request that does not fit a pool now waits in the engine or is refused "
+                             "(RESOURCE_EXHAUSTED)")
+
+    @field_validator("device_memory")
+    @classmethod
+    def _device_memory(cls, v: str | None) -> str | None:
+        if v is not None:
+            from dspine.replica.memory_plan import parse_size
+
+            if parse_size(v) < 1:  # a bad size raises ValueError naming device_memory
+                raise ValueError("device_memory: must be > 0 bytes")
+        return v
 
     def engine_config(self, num_threads: int | None):
         """The replica's frozen ``EngineConfig``."""
@@ -60,7 +81,15 @@ class EngineSettings(_Strict):
 
         knobs: dict[str, Any] = dict(max_concurrency=self.max_concurrency, max_seq_len=self.max_seq_len,
                                      device=self.device, dtype=self.dtype, retrieval=self.retrieval,
-                                     num_threads=self.num_threads or num_threads)
+                                     num_threads=self.num_threads or num_threads,
+                                     prefill_chunk_tokens=self.prefill_chunk_tokens,
+                                     target_kv_tokens=self.target_kv_tokens,
+                                     admission_reservation=self.admission_reservation,
+                                     admission_when_full=self.admission_when_full)
+        if self.device_memory is not None:
+            from dspine.replica.memory_plan import parse_size
+
+            knobs["device_memory"] = parse_size(self.device_memory)
         if self.verify_threshold is not None:
             knobs["verify_threshold"] = self.verify_threshold
         return EngineConfig(**knobs)

@@ -5,6 +5,8 @@ exception                              status                details
 =====================================  ====================  ===========================
 InvalidRequestError, ValueError        INVALID_ARGUMENT      ``field: reason``
 EngineFullError                        RESOURCE_EXHAUSTED    in flight / max_concurrency
+PoolExhaustedError, RequestTooLarge..  RESOURCE_EXHAUSTED    names the pool (target K/V, draft KV pool)
+DraftPoolExhausted                     RESOURCE_EXHAUSTED    the draft KV pool
 NoDrafterError                         FAILED_PRECONDITION   ``speculative: ...``
 RequestCancelledError                  CANCELLED
 TimeoutError (a server-side deadline)  DEADLINE_EXCEEDED
@@ -34,9 +36,12 @@ from dspine.replica.errors import (
     EngineStoppedError,
     InvalidRequestError,
     NoDrafterError,
+    PoolExhaustedError,
     RequestCancelledError,
     RequestFailedError,
 )
+
+from dspine.replica.draft_kv_pool import DraftPoolExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,8 @@ _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NoDrafterError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (EngineFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # RequestTooLargeError too (a subclass)
+    (DraftPoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestCancelledError, grpc.StatusCode.CANCELLED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
     (ReplicaLostError, grpc.StatusCode.UNAVAILABLE),

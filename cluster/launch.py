@@ -84,15 +84,25 @@ def replica_loads(app_name: str, timeout_s: float = 5.0) -> list[dict]:
     return sorted(reports, key=lambda r: r["replica"])
 
 
+def _free_tokens(report: dict) -> str:
+    """Free (unreserved) tokens per pool of a load report; "-" for an unbounded or absent pool."""
+    def one(key):
+        value = report.get(key)
+        return "-" if value is None else f"{value:,}"
+    return f"{one('free_target_tokens')}/{one('free_draft_tokens')}"
+
+
 def format_status(app_name: str, app_status: str, loads: list[dict]) -> str:
     lines = [f"application {app_name}: {app_status}", f"{'replica':<12} {'pid':>7} {'in flight':>9} "
-             f"{'peak':>5} {'free draft slots':>16} {'accepted':>8} {'finished':>8}  health"]
+             f"{'peak':>5} {'free draft slots':>16} {'free tokens (target/draft)':>26} {'accepted':>8} "
+             f"{'finished':>8}  health"]
     for r in loads:
         if "error" in r:
             lines.append(f"{r['replica']:<12} unreachable: {r['error']}")
             continue
         lines.append(f"{r['replica']:<12} {r['pid']:>7} {r['in_flight']:>4}/{r['max_concurrency']:<4} "
-                     f"{r['peak_in_flight']:>5} {r['free_draft_slots']:>16} {r['recent_accepted_len']:>8.2f} "
+                     f"{r['peak_in_flight']:>5} {r['free_draft_slots']:>16} {_free_tokens(r):>26} "
+                     f"{r['recent_accepted_len']:>8.2f} "
                      f"{r['num_finished']:>8}  {'healthy' if r['healthy'] else 'UNHEALTHY'}")
     return "\n".join(lines)
 

@@ -15,9 +15,12 @@ from .errors import (
     EngineStoppedError,
     InvalidRequestError,
     NoDrafterError,
+    PoolExhaustedError,
     RequestCancelledError,
     RequestFailedError,
+    RequestTooLargeError,
 )
+from .memory_plan import MemoryPlanError
 from .sampling import SamplingParams
 from .types import GenerationResult, RequestStats, SpecDecodingStats, StreamChunk
 
@@ -37,4 +40,7 @@ __all__ = [
     "NoDrafterError",
     "RequestCancelledError",
     "RequestFailedError",
+    "PoolExhaustedError",
+    "RequestTooLargeError",
+    "MemoryPlanError",
 ]

@@ -41,6 +41,19 @@ class EngineConfig:
     # torch intra-op threads of the engine's device thread; None -> those of the thread that
     # builds the engine. A CPU replica sharing a machine with others sets it to its CPU share.
     num_threads: int | None = None
+    # Memory (replica/memory_plan.py, replica/admission.py). The engine runs the memory plan at
+    # start and refuses a configuration that does not fit (MemoryPlanError).
+    device_memory: int | None = None  # bytes of the device; None -> detected (GPU total, or host RAM)
+    memory_check: bool = True  # False: skip the start-up plan check (the plan is still computed)
+    target_kv_tokens: int | None = None  # target K/V positions admission may hand out; None: unbounded
+    # Tokens a request reserves in each pool at admission: "max_new_tokens" (prompt + max_new_tokens,
+    # capped by max_seq_len: an admitted request never runs a pool out) or "prompt" (prompt + one
+    # block; more requests fit, and a speculative request the draft pool cannot extend decodes on
+    # target-only, losslessly).
+    admission_reservation: str = "max_new_tokens"
+    # A request that fits no pool now: "queue" (waits in the engine, first come first served) or
+    # "refuse" (PoolExhaustedError -> RESOURCE_EXHAUSTED at once). One that can never fit is refused.
+    admission_when_full: str = "queue"
 
     def __post_init__(self):
         if self.max_concurrency < 1:
@@ -57,6 +70,17 @@ class EngineConfig:
             raise ValueError(f"verify_threshold: must be in [0, 1), got {self.verify_threshold}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if self.admission_reservation not in ("max_new_tokens", "prompt"):
+            raise ValueError("admission_reservation: must be 'max_new_tokens' or 'prompt', "
+                             f"got {self.admission_reservation!r}")
+        if self.admission_when_full not in ("queue", "refuse"):
+            raise ValueError(f"admission_when_full: must be 'queue' or 'refuse', got {self.admission_when_full!r}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens: must be >= 1, got {self.prefill_chunk_tokens}")
+        for name in ("device_memory", "target_kv_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
 

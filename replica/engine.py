@@ -26,9 +26,11 @@ from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
+from .admission import DraftPoolCapacity, MemoryAdmission, TargetTokenCapacity
 from .config import EngineConfig
 from .device_thread import DeviceThread
 from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
+from .memory_plan import MemoryPlan, MemoryPlanError, draft_pool_slots, plan_for_engine
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling import SamplingParams
@@ -53,6 +55,7 @@ class EngineStats:
     spec: SpecDecodingStats | None = None
     peak_draft_pool_used: int = 0
     peak_in_flight: int = 0  # high-water mark of admitted, unfinished requests
+    num_draft_demoted: int = 0  # speculative requests the draft pool could not extend (went target-only)
     recent_accepted_len: float = 0.0  # accepted draft tokens per cycle, exponentially decayed
     # time.monotonic() at the end of the latest step, or at the admission that ended an idle
     # spell: a health check measures a stall from here.
@@ -77,10 +80,39 @@ class EngineLoad:
     num_steps: int
     num_finished: int
     seconds_since_progress: float | None  # since the last step or idle-ending admission; None before any
+    # Memory admission (replica/admission.py): tokens not reserved by admitted requests, per pool
+    # (None: unbounded / no such pool), and requests admitted that wait for memory.
+    free_target_tokens: int | None = None
+    free_draft_tokens: int | None = None
+    waiting_for_memory: int = 0
 
     @property
     def free_slots(self) -> int:
         return self.max_concurrency - self.in_flight
+
+
+def _check_memory_plan(target_args, draft_args, config: EngineConfig, max_seq_len: int,
+                       target_weight_bytes: int | None = None) -> MemoryPlan:
+    """The engine's memory plan; raises :class:`MemoryPlanError` when it does not fit (and the check is on)."""
+    plan = plan_for_engine(target_args, draft_args, config, max_seq_len, target_weight_bytes)
+    if config.memory_check and not plan.fits:
+        raise MemoryPlanError(plan)
+    logger.info("%s", plan.format())
+    return plan
+
+
+def _precheck_memory_plan(target_dir, draft_dir, config: EngineConfig) -> None:
+    """The plan from the config files alone, so that a misfit fails before gigabytes are loaded."""
+    import json
+
+    from .models.dspine_config import DraftArgs
+    from .models.target_config import TargetArgs
+
+    target_args = TargetArgs.from_hf_config(json.loads((Path(target_dir) / "config.json").read_text()))
+    draft_args = None
+    if draft_dir is not None:
+        draft_args = DraftArgs.from_config(json.loads((Path(draft_dir) / "config.json").read_text()))
+    _check_memory_plan(target_args, draft_args, config, config.max_seq_len or target_args.max_position_embeddings)
 
 
 class Engine:
@@ -96,12 +128,23 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len or target.args.max_position_embeddings
         self.block_size = drafter.args.block_size if drafter is not None else 0
+        # Before the draft pool and tail tables exist: a configuration that cannot fit is refused here.
+        self.memory_plan = _check_memory_plan(target.args, drafter.args if drafter is not None else None, config,
+                                              self.max_seq_len, sum(p.numel() * p.element_size()
+                                                                    for p in target.parameters()))
         draft_pool, tail_tables = self._device_thread.call(self._build_draft_side)
         self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
         policy = None
         if drafter is not None and config.adaptive_speculation:
             policy = SpeculationPolicy(self.block_size - 1)
-        self.scheduler = FcfsScheduler(config.max_concurrency, policy)
+        # Admission by memory (replica/admission.py): the target's K/V (bounded when configured; a
+        # paged pool plugs in as PagedKvCapacity) and the draft KV pool.
+        pools = [TargetTokenCapacity(config.target_kv_tokens, self._target_tokens_in_use)]
+        if draft_pool is not None:
+            pools.append(DraftPoolCapacity(draft_pool))
+        self.admission = MemoryAdmission(pools, self.max_seq_len, config.admission_reservation, self.block_size)
+        self.scheduler = FcfsScheduler(config.max_concurrency, policy, self.admission, config.prefill_chunk_tokens,
+                                       refuse_when_full=config.admission_when_full == "refuse")
         self.stats = EngineStats(spec=SpecDecodingStats(self.block_size - 1) if drafter is not None else None)
         self._lock = threading.RLock()
         self._sinks: dict[str, Callable[[StreamChunk], None]] = {}
@@ -118,6 +161,8 @@ class Engine:
         from .models.loader import load_target
         from .tokenizer import Tokenizer
 
+        _precheck_memory_plan(target_dir, draft_dir, config)  # before any weight is loaded
+
         def load():
             target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
             drafter = None
@@ -133,6 +178,13 @@ class Engine:
         tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
         return cls(target, drafter, tokenizer, config, device_thread)
 
+    def _target_tokens_in_use(self) -> int:
+        """Positions held by live target states (a snapshot; read off the device thread too)."""
+        try:
+            return sum(s.num_tokens + s.num_pending for s in list(self.runner.states.values()))
+        except RuntimeError:  # the dict changed under the read: one step's staleness is fine
+            return 0
+
     def _build_draft_side(self):
         if self.drafter is None:
             return None, None
@@ -143,11 +195,11 @@ class Engine:
         # The default sizes hold every admitted request at its largest; the + 1 is the pool's
         # padding sink (slot 0, never allocated). Without it 8 ring requests that all reach a full
         # window need one slot more than exists, and one of them fails.
+        slots = draft_pool_slots(self.config.draft_pool, self.config.max_concurrency, self.max_seq_len, args.window,
+                                 self.config.draft_pool_tokens)
         if self.config.draft_pool == "ring":
-            slots = self.config.draft_pool_tokens or self.config.max_concurrency * args.window + 1
             pool = RingDraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         else:
-            slots = self.config.draft_pool_tokens or self.config.max_concurrency * self.max_seq_len + 1
             pool = DraftKVPool(args, slots, device=self.device, dtype=self.config.torch_draft_dtype)
         mode = self.config.retrieval_mode
         tables = TailTables.from_drafter(self.drafter, fp8_retrieval=mode == "fp8", bf16_retrieval=mode == "bf16")
@@ -254,6 +306,7 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.stage_times.add(runner_output.stage_times)
         self.stats.peak_draft_pool_used = max(self.stats.peak_draft_pool_used, runner_output.draft_pool_used)
+        self.stats.num_draft_demoted += len(runner_output.draft_demoted)
         if self.stats.spec is not None:
             for request_id, accepted in runner_output.accepted_len.items():
                 self.stats.spec.observe_draft(runner_output.num_verified.get(request_id, self.block_size - 1), accepted)
@@ -454,6 +507,7 @@ class Engine:
         probe never waits for a step to end; the fields may be one step apart."""
         pool = self.runner.draft_pool
         stats = self.stats
+        free = self.admission.free_tokens()
         return EngineLoad(
             in_flight=self.scheduler.num_unfinished,
             max_concurrency=self.config.max_concurrency,
@@ -465,6 +519,9 @@ class Engine:
             num_steps=stats.num_steps,
             num_finished=stats.num_finished,
             seconds_since_progress=time.monotonic() - stats.last_progress if stats.last_progress else None,
+            free_target_tokens=free.get("target K/V"),
+            free_draft_tokens=free.get("draft KV pool"),
+            waiting_for_memory=self.scheduler.num_waiting_for_memory(),
         )
 
     def check_health(self, stall_s: float = 60.0) -> None:

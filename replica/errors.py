@@ -51,3 +51,27 @@ class RequestFailedError(DSpineError):
 
 class EngineStoppedError(DSpineError):
     """The engine is shutting down and takes no new requests (-> UNAVAILABLE)."""
+
+
+class PoolExhaustedError(DSpineError):
+    """A request does not fit in one of the engine's memory pools now (-> RESOURCE_EXHAUSTED).
+
+    ``pool`` names it ("target K/V", "draft KV pool"); ``needed`` tokens the request reserves,
+    ``free`` of ``capacity`` not reserved by admitted requests."""
+
+    def __init__(self, pool: str, needed: int, free: int, capacity: int):
+        super().__init__(f"{pool} is full: the request needs {needed} tokens, {free} of {capacity} are free; "
+                         "retry later or on another replica")
+        self.pool, self.needed, self.free, self.capacity = pool, needed, free, capacity
+
+    def __reduce__(self):
+        return type(self), (self.pool, self.needed, self.free, self.capacity)
+
+
+class RequestTooLargeError(PoolExhaustedError):
+    """A request larger than a whole pool: it could never be admitted (-> RESOURCE_EXHAUSTED at add time)."""
+
+    def __init__(self, pool: str, needed: int, free: int, capacity: int):
+        DSpineError.__init__(self, f"{pool} can never hold this request: it needs {needed} tokens and the pool "
+                                   f"holds {capacity}; shorten the prompt or max_new_tokens")
+        self.pool, self.needed, self.free, self.capacity = pool, needed, free, capacity

@@ -50,23 +50,29 @@ class ModelRunner:
         self._drafting: frozenset[str] = frozenset()  # this step's SchedulerOutput.speculative_ids
         # request_id -> features [1, F, H] of committed positions not yet in its draft context
         self._deferred_context: dict[str, list[torch.Tensor]] = {}
+        self._prefill_chunks: dict[str, tuple[int, int]] = {}  # this step's (SchedulerOutput.prefill_chunks)
+        self._demoted: set[str] = set()  # speculative requests the draft pool could not extend
 
     # ------------------------------------------------------------------ step
     def execute(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
         """Run one step for the scheduled requests; never raises for a per-request failure."""
         out = RunnerOutput.make_empty()
         self._draft_rows = scheduler_output.draft_rows
+        self._prefill_chunks = scheduler_output.prefill_chunks
         self.free(scheduler_output.finished_ids)
         if scheduler_output.prefill_ids:
             self._isolated(self._prefill, scheduler_output.prefill_ids, requests, out)
-        self._drafting = frozenset(scheduler_output.speculative_ids)
-        if scheduler_output.speculative_ids:
+        speculative_ids, target_only_ids = scheduler_output.speculative_ids, scheduler_output.target_only_ids
+        if speculative_ids:
+            speculative_ids = self._fit_speculative(speculative_ids, out)
+            target_only_ids = [r for r in scheduler_output.speculative_ids if r not in speculative_ids] + target_only_ids
+        self._drafting = frozenset(speculative_ids)
+        if speculative_ids:
             # The step's target-only requests ride in the cycle's verify forward, one row each: one
             # forward per step instead of two (a forward's fixed cost is most of a decode step's).
-            self._isolated(self._speculative_cycle,
-                           scheduler_output.speculative_ids + scheduler_output.target_only_ids, requests, out)
-        elif scheduler_output.target_only_ids:
-            self._isolated(self._target_step, scheduler_output.target_only_ids, requests, out)
+            self._isolated(self._speculative_cycle, speculative_ids + target_only_ids, requests, out)
+        elif target_only_ids:
+            self._isolated(self._target_step, target_only_ids, requests, out)
         if self.draft_pool is not None:
             out.draft_pool_used = self.draft_pool.used
         return out
@@ -79,6 +85,7 @@ class ModelRunner:
                 state.release()
             self.generators.pop(request_id, None)
             self._deferred_context.pop(request_id, None)
+            self._demoted.discard(request_id)
             if self.draft_pool is not None and self.draft_pool.has_request(request_id):
                 self.draft_pool.free_request(request_id)
 
@@ -139,28 +146,93 @@ class ModelRunner:
     # --------------------------------------------------------------- prefill
     @torch.inference_mode()
     def _prefill(self, request_ids: list[str], requests: dict[str, Request], out: RunnerOutput) -> None:
+        """Prefill this step's prompt ranges (``SchedulerOutput.prefill_chunks``; whole prompts without).
+
+        Forwards are grouped so that rows x padded length stays within ``prefill_chunk_tokens``
+        (one long chunk runs alone): activation memory never exceeds one chunk's. Only a request's
+        last chunk computes logits, for its last position only. Idempotent per request (a retry
+        after a failure skips ranges already committed)."""
         self._fault("prefill", request_ids)
-        batch = [requests[r] for r in request_ids]
+        chunks = {}
+        for request_id in request_ids:
+            prompt_len = len(requests[request_id].prompt_token_ids)
+            chunks[request_id] = self._prefill_chunks.get(request_id, (0, prompt_len))
         with self._timed(out, "prefill", request_ids):
-            for request in batch:
-                if request.request_id not in self.states:
-                    self.states[request.request_id] = self.target.new_state(device=self.device, dtype=self.target_dtype)
-                    self.generators[request.request_id] = sampling.make_generator(request.params.seed, self.device)
-            states = [self.states[r] for r in request_ids]
-            prompts = [torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device) for r in batch]
-            wants_features = any(r.speculative for r in batch)
-            result = self.target.forward_step(prompts, states, feature_layers=self.feature_layers if wants_features else ())
-            lengths = [len(p) for p in prompts]
-            self.target.commit(states, lengths)
-            last_logits = torch.stack([result.logits[b, n - 1] for b, n in enumerate(lengths)])
-            first_tokens = self._sample(last_logits, batch)
-            for b, request in enumerate(batch):
-                if request.speculative:
-                    if not self.draft_pool.has_request(request.request_id):
-                        self.draft_pool.alloc_request(request.request_id)
-                    self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
-        for request, token in zip(batch, first_tokens):
-            out.new_token_ids[request.request_id] = [token]
+            for request_id in request_ids:
+                if request_id not in self.states:
+                    request = requests[request_id]
+                    self.states[request_id] = self.target.new_state(device=self.device, dtype=self.target_dtype)
+                    self.generators[request_id] = sampling.make_generator(request.params.seed, self.device)
+            todo = [r for r in request_ids if self.states[r].num_tokens < chunks[r][1]]
+            budget = self.config.prefill_chunk_tokens
+            group: list[str] = []
+            for request_id in todo:
+                longest = max([chunks[r][1] - chunks[r][0] for r in group + [request_id]])
+                if group and (len(group) + 1) * longest > budget:
+                    self._prefill_group(group, requests, chunks, out)
+                    group = []
+                group.append(request_id)
+            if group:
+                self._prefill_group(group, requests, chunks, out)
+
+    def _prefill_group(self, request_ids: list[str], requests: dict[str, Request],
+                       chunks: dict[str, tuple[int, int]], out: RunnerOutput) -> None:
+        batch = [requests[r] for r in request_ids]
+        states = [self.states[r] for r in request_ids]
+        ranges = [chunks[r] for r in request_ids]
+        prompts = [torch.tensor(r.prompt_token_ids[a:b], dtype=torch.long, device=self.device)
+                   for r, (a, b) in zip(batch, ranges)]
+        last = [b == len(r.prompt_token_ids) for r, (_, b) in zip(batch, ranges)]
+        wants_features = any(r.speculative for r in batch)
+        result = self.target.forward_step(prompts, states, feature_layers=self.feature_layers if wants_features else (),
+                                          logits="last" if any(last) else "none")
+        lengths = [len(p) for p in prompts]
+        self.target.commit(states, lengths)
+        for b, request in enumerate(batch):
+            if request.speculative and request.request_id not in self._demoted:
+                if not self.draft_pool.has_request(request.request_id):
+                    self.draft_pool.alloc_request(request.request_id)
+                if not self.draft_pool.can_append([request.request_id], [lengths[b]]) and not faults.active(
+                        "runner.no_draft_pool_fallback"):
+                    self._demote(request.request_id, out)
+                    continue
+                if faults.active("runner.chunk_features_dropped") and not last[b]:
+                    continue
+                self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
+        finishing = [b for b in range(len(batch)) if last[b]]
+        if finishing:
+            first_tokens = self._sample(result.logits[finishing, 0], [batch[b] for b in finishing])
+            for b, token in zip(finishing, first_tokens):
+                out.new_token_ids[batch[b].request_id] = [token]
+
+    def _demote(self, request_id: str, out: RunnerOutput) -> None:
+        """The draft pool cannot extend this request: free its draft context; it decodes target-only
+        (the scheduler marks it so), which emits exactly what speculation would have."""
+        logger.warning("request %s: draft KV pool full; decoding target-only from here", request_id)
+        if self.draft_pool.has_request(request_id):
+            self.draft_pool.free_request(request_id)
+        self._deferred_context.pop(request_id, None)
+        self._demoted.add(request_id)
+        out.draft_demoted.append(request_id)
+
+    def _fit_speculative(self, request_ids: list[str], out: RunnerOutput) -> list[str]:
+        """The speculative requests whose commit (at most a block, plus deferred positions) the draft
+        pool can take this step, together; the others are demoted to target-only before drafting."""
+        if faults.active("runner.no_draft_pool_fallback"):
+            return request_ids
+        block = self.drafter.args.block_size
+        fit: list[str] = []
+        counts: list[int] = []
+        for request_id in request_ids:
+            # a commit appends accepted + 1 <= verified rows + 1 positions, after the deferred ones
+            rows = min(block, self._draft_rows.get(request_id, block - 1) + 1)
+            need = rows + sum(f.shape[0] for f in self._deferred_context.get(request_id, []))
+            if self.draft_pool.can_append(fit + [request_id], counts + [need]):
+                fit.append(request_id)
+                counts.append(need)
+            else:
+                self._demote(request_id, out)
+        return fit
 
     # ----------------------------------------------------- target-only decode
     @torch.inference_mode()

@@ -12,6 +12,9 @@ import abc
 from collections import deque
 from dataclasses import dataclass
 
+from dspine import faults
+
+from .admission import MemoryAdmission
 from .errors import EngineFullError
 from .request import Request
 from .speculation_policy import SpeculationPolicy
@@ -50,13 +53,27 @@ class FcfsScheduler(SchedulerInterface):
 
     The cap ``max_concurrency`` counts every unfinished request, waiting or
     running: the engine never holds more, whatever the router in front does.
+
+    Memory (``admission``, see replica/admission.py): a waiting request starts its
+    prefill only once its reservation fits every pool, first come first served (a
+    request that does not fit holds back those behind it, so a long one never starves);
+    with ``refuse_when_full`` it is refused at add time instead of waiting.
+
+    Chunked prefill: each step prefills at most ``prefill_chunk_tokens`` prompt tokens in
+    all, a long prompt over several steps, while the running requests keep decoding.
     """
 
-    def __init__(self, max_concurrency: int, policy: SpeculationPolicy | None = None):
+    def __init__(self, max_concurrency: int, policy: SpeculationPolicy | None = None,
+                 admission: MemoryAdmission | None = None, prefill_chunk_tokens: int | None = None,
+                 refuse_when_full: bool = False):
         self.max_concurrency = max_concurrency
         self.policy = policy  # None: every speculative request drafts every step
+        self.admission = admission  # None: no memory pools to reserve
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # None: whole prompts in one step
+        self.refuse_when_full = refuse_when_full
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self._waiting: deque[str] = deque()
+        self._waiting: deque[str] = deque()  # not yet fully prefilled, in arrival order
+        self._prefilled: dict[str, int] = {}  # prompt tokens prefilled so far (waiting requests)
         self._to_free: list[str] = []  # finished since the last schedule()
 
     @property
@@ -68,12 +85,53 @@ class FcfsScheduler(SchedulerInterface):
             raise ValueError(f"request_id: {request.request_id!r} is already in flight")
         if len(self.requests) >= self.max_concurrency:
             raise EngineFullError(len(self.requests), self.max_concurrency)
+        if self.admission is not None:
+            self.admission.check_ever_fits(request)  # RequestTooLargeError: larger than a pool
+            queue_ahead = any(not self.admission.is_reserved(r) for r in self._waiting)
+            if self.refuse_when_full or not queue_ahead:
+                error = self.admission.try_reserve(request)
+                if error is not None and self.refuse_when_full:
+                    raise error  # PoolExhaustedError naming the pool
         self.requests[request.request_id] = request
         self._waiting.append(request.request_id)
+        self._prefilled[request.request_id] = 0
+
+    def num_waiting_for_memory(self) -> int:
+        """Admitted requests whose reservation does not fit yet."""
+        if self.admission is None:
+            return 0
+        try:  # read lock-free by EngineLoad: a deque mutated under the read raises
+            return sum(not self.admission.is_reserved(r) for r in list(self._waiting))
+        except RuntimeError:
+            return 0
+
+    def _schedule_prefill(self) -> tuple[list[str], dict[str, tuple[int, int]]]:
+        """The prefill of this step: (request ids, their prompt ranges [start, end))."""
+        budget = self.prefill_chunk_tokens
+        prefill_ids, chunks = [], {}
+        for request_id in list(self._waiting):
+            if budget is not None and budget <= 0:
+                break
+            request = self.requests[request_id]
+            if self.admission is not None and not self.admission.is_reserved(request_id):
+                if self.admission.try_reserve(request) is not None and not faults.active(
+                        "scheduler.admission_ignores_memory"):
+                    break  # first come first served: the head waits for memory, so do those behind it
+            start = self._prefilled[request_id]
+            prompt_len = request.stats.num_prompt_tokens
+            end = prompt_len if budget is None else min(prompt_len, start + budget)
+            if budget is not None:
+                budget -= end - start
+            prefill_ids.append(request_id)
+            chunks[request_id] = (start, end)
+            self._prefilled[request_id] = end
+            if end == prompt_len:  # its last chunk: it samples its first token this step
+                self._waiting.remove(request_id)
+                del self._prefilled[request_id]
+        return prefill_ids, chunks
 
     def schedule(self) -> SchedulerOutput:
-        prefill_ids = list(self._waiting)
-        self._waiting.clear()
+        prefill_ids, prefill_chunks = self._schedule_prefill()
         running = [r for r in self.requests.values() if r.status == RequestStatus.RUNNING]
         speculative = [r for r in running if r.speculative]
         target_only = [r.request_id for r in running if not r.speculative]
@@ -92,6 +150,7 @@ class FcfsScheduler(SchedulerInterface):
             target_only_ids=target_only,
             finished_ids=self._to_free,
             draft_rows=draft_rows,
+            prefill_chunks=prefill_chunks,
         )
         self._to_free = []
         return output
@@ -100,6 +159,10 @@ class FcfsScheduler(SchedulerInterface):
         if self.policy is not None:
             self._observe(scheduler_output, runner_output)
         events = []
+        for request_id in runner_output.draft_demoted:  # the draft pool could not extend it: target-only now
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.speculative = False
         for request_id, error in runner_output.failed.items():
             events += self.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
         for request_id, token_ids in runner_output.new_token_ids.items():
@@ -153,4 +216,7 @@ class FcfsScheduler(SchedulerInterface):
             self.policy.forget(request.request_id)
         if request.request_id in self._waiting:
             self._waiting.remove(request.request_id)
+        self._prefilled.pop(request.request_id, None)
+        if self.admission is not None:
+            self.admission.release(request.request_id)
         self._to_free.append(request.request_id)

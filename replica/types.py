@@ -52,6 +52,9 @@ class SchedulerOutput:
     # Adaptive speculation (speculation_policy): the most draft rows each speculative request
     # verifies this step; absent: as many as the block (and the confidence cut) allow.
     draft_rows: dict[str, int] = field(default_factory=dict)
+    # Chunked prefill: the prompt range [start, end) each prefill request runs this step; absent:
+    # the whole prompt. A request samples its first token in the step whose chunk ends its prompt.
+    prefill_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
@@ -92,6 +95,9 @@ class RunnerOutput:
     draft_pool_used: int = 0  # slots in use after the step
     num_verified: dict[str, int] = field(default_factory=dict)  # per speculative request: draft tokens verified
     stage_intervals: list["StageInterval"] = field(default_factory=list)  # every stage run, in order
+    # Speculative requests the draft pool could not extend (only under admission_reservation
+    # "prompt"): their draft slots are freed and they decode target-only from now on.
+    draft_demoted: list[str] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> "RunnerOutput":

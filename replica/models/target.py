@@ -194,13 +194,19 @@ class TargetModel(nn.Module):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def forward_step(self, input_ids, states: list[TargetState], feature_layers: tuple[int, ...] = ()) -> StepOutput:
+    def forward_step(self, input_ids, states: list[TargetState], feature_layers: tuple[int, ...] = (),
+                     logits: str = "all") -> StepOutput:
         """Run new tokens for a batch of requests; they become pending in `states` (see `commit`).
-        input_ids: Tensor [B, T] or list of 1-D Tensors [T_b]."""
-        return self._step(input_ids, states, feature_layers)
+        input_ids: Tensor [B, T] or list of 1-D Tensors [T_b]. `logits`: "all" rows [B, T, V],
+        "last" (each request's last new position: [B, 1, V], what a prefill samples from) or
+        "none" (a prefill chunk that samples nothing): the LM head over every prompt position
+        would be [T, V] fp32, 8 GB for 8,192 tokens at the 27B vocabulary."""
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits: must be 'all', 'last' or 'none', got {logits!r}")
+        return self._step(input_ids, states, feature_layers, logits=logits)
 
     def _step(self, input_ids, states: list[TargetState], feature_layers: tuple[int, ...],
-              stateless: bool = False) -> StepOutput:
+              stateless: bool = False, logits: str = "all") -> StepOutput:
         a = self.args
         B = len(states)
         rows = list(input_ids) if isinstance(input_ids, (list, tuple)) else list(input_ids.unbind(0))
@@ -273,7 +279,9 @@ class TargetModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in taps:
                 taps[i] = x
-        logits = F.linear(self.norm(x), self.lm_head_weight).float()  # (B, T, V)
+        if logits == "last":
+            x = x[torch.arange(B, device=device), num_new - 1][:, None]  # (B, 1, H)
+        logits = None if logits == "none" else F.linear(self.norm(x), self.lm_head_weight).float()  # (B, T|1, V)
         features = torch.stack([taps[i] for i in feature_layers], dim=2) if feature_layers else None
 
         if stateless:

@@ -83,6 +83,6 @@ class TargetState:
 class StepOutput:
     """Result of `TargetModel.forward_step`."""
 
-    logits: torch.Tensor  # [B, T, V] fp32 (rows past a request's own T_b are padding)
+    logits: torch.Tensor | None  # [B, T, V] fp32 (padding past T_b); [B, 1, V] with logits="last"; None: "none"
     features: torch.Tensor | None  # [B, T, F, H] hidden state after each requested tap layer
     num_new: list[int]  # T_b per request

@@ -253,3 +253,21 @@ def test_async_client_task_cancel_frees_slot(serve, gate_for, tokenizer):
             assert await client.health() == "SERVING"
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_does_not_fit_the_draft_pool_is_resource_exhausted_naming_it(serve, gate_for):
+    # 40 draft slots; each request below reserves 20 + 10 = 30 of them
+    engine = make_engine(draft_pool_tokens=41, admission_when_full="refuse")
+    gate = gate_for(engine)
+    server = serve(engine)
+    engine.add_request([3] * 20, SamplingParams(max_new_tokens=10, ignore_eos=True), speculative=True)
+    with DSpineClient(server.address, timeout=60, retry=RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises(ResourceExhausted, match="draft KV pool is full: the request needs 30 tokens, 10 of 40"):
+            client.generate(token_ids=[4] * 20, max_new_tokens=10, speculative=True)
+        with pytest.raises(ResourceExhausted, match="draft KV pool can never hold"):
+            client.generate(token_ids=[3] * 40, max_new_tokens=10, speculative=True)
+        gate.open()
+        wait_until(lambda: engine.num_unfinished() == 0, what="the first request done")
+        done = client.generate(token_ids=[4] * 20, max_new_tokens=10, speculative=True, ignore_eos=True)
+        assert done.finish_reason == "length"
+    wait_until(lambda: idle(engine), what="no live state")
