@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .logprobs import TokenLogprobs
     from .step_stats import StageInterval, StepRecord
 
 
@@ -92,6 +93,8 @@ class RunnerOutput:
     draft_pool_used: int = 0  # slots in use after the step
     num_verified: dict[str, int] = field(default_factory=dict)  # per speculative request: draft tokens verified
     stage_intervals: list["StageInterval"] = field(default_factory=list)  # every stage run, in order
+    # per request asking for logprobs: one entry per token of new_token_ids, in order
+    new_logprobs: dict[str, list["TokenLogprobs"]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "RunnerOutput":
@@ -186,6 +189,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stats: RequestStats
     error: str | None = None
+    logprobs: list["TokenLogprobs"] | None = None  # one per token of token_ids when the request asked
 
 
 @dataclass
@@ -198,6 +202,7 @@ class StreamChunk:
     finish_reason: str | None = None
     stats: RequestStats | None = None  # on the last chunk
     error: str | None = None
+    logprobs: list["TokenLogprobs"] | None = None  # one per token of token_ids when the request asked
 
     @property
     def finished(self) -> bool:
