@@ -55,8 +55,6 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     # seeds: [N, 2]; positions: [N]; token_ids: [N, C]
     lo, hi = seeds[:, 0:1].to(torch.int64), seeds[:, 1:2].to(torch.int64)
     pos = positions.to(torch.int64)[:, None] & _M32
-    if faults.active("gumbel.noise_ignores_position"):
-        pos = torch.zeros_like(pos)
     key = _mix32(lo ^ _mix32(hi ^ _SALT[0]))  # [N, 1]
     key = _mix32(key ^ _mix32(pos ^ _SALT[1]))
     ids = token_ids.to(torch.int64) & _M32
