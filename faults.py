@@ -29,6 +29,9 @@ FAULTS: dict[str, str] = {
                                   "drawn from the residual [p - q]+ of the next row instead of from p",
     "runner.p_without_temperature": "the target's p used by verification ignores the request's temperature",
     "runner.p_without_top_p": "the target's p used by verification ignores the request's top-p",
+    "penalties.same_counts_for_every_row": "every row of a verified block is penalised with the context's "
+                                           "counts, not seeing the tokens drafted at the rows before it",
+    "gumbel.noise_halved": "seed-reproducible sampling adds half the Gumbel noise (a sharpened distribution)",
 }
 
 # Faults of memory management, not of losslessness (so no sampled-fit case covers them): each is

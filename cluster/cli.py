@@ -42,6 +42,36 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= MIN_P * max p (0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="(vLLM's; 1: off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (0: off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (0: off)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                        help="add BIAS in [-100, 100] to a token's logit (repeatable)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="print each token's logprob and the top N alternatives")
+    parser.add_argument("--reproducible", action="store_true",
+                        help="with --seed: the same tokens with speculation on or off and in any batch")
+
+
+def _logit_bias_from_args(args) -> dict[int, float]:
+    bias = {}
+    for item in getattr(args, "logit_bias", []):
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise SystemExit(f"dspine: error: --logit-bias: expected TOKEN_ID=BIAS, got {item!r}") from None
+        if not sep:
+            raise SystemExit(f"dspine: error: --logit-bias: expected TOKEN_ID=BIAS, got {item!r}")
+    return bias
+
+
+def _option_args(args) -> dict:
+    """The request options shared by the local engine and the SDK (vLLM's names)."""
+    return dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias_from_args(args),
+                logprobs=args.logprobs, reproducible=args.reproducible)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,8 +260,11 @@ def _engine_config(args, **extra):
 def _sampling_from_args(args, stop=()):
     from dspine.replica import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, stop=tuple(stop))
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens, stop=tuple(stop), **_option_args(args))
+    except ValueError as e:  # names the field: "min_p: must be in [0, 1] ..."
+        raise SystemExit(f"dspine: error: {e}") from None
 
 
 def cmd_generate(args) -> int:
@@ -251,7 +284,7 @@ def cmd_generate(args) -> int:
         with span as root, DSpineClient(args.server) as client:
             result = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                                     speculative=not args.no_spec)
+                                     speculative=not args.no_spec, **_option_args(args))
             if args.trace:
                 print(f"trace id: {root.get_span_context().trace_id:032x}", file=sys.stderr)
         if args.trace:
@@ -261,6 +294,7 @@ def cmd_generate(args) -> int:
             if hasattr(provider, "force_flush"):
                 provider.force_flush()  # the spans leave before the process exits
         text, token_ids, finish_reason, extra = result.text, result.token_ids, result.finish_reason, {}
+        logprobs = [(e.token_id, e.logprob, e.top) for e in result.logprobs or []]
     else:
         engine = _engine_from_args(args, speculative_needed=not args.no_spec)
         params = _sampling_from_args(args, args.stop)
@@ -273,12 +307,21 @@ def cmd_generate(args) -> int:
             "mean_accepted_len": round(stats.spec.mean_accepted_len, 3) if stats.spec else 0.0,
             "decode_tokens_per_s": round(stats.decode_tokens_per_second, 1),
         }
+        logprobs = [(e.token_id, e.logprob, e.top) for e in result.logprobs or []]
+    if args.logprobs is not None:
+        extra["logprobs"] = [{"token_id": t, "logprob": round(lp, 6), "top": [[i, round(v, 6)] for i, v in top]}
+                             for t, lp, top in logprobs]
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": finish_reason, **extra}))
     else:
         print(args.prompt + (text or ""))
+        entries = extra.pop("logprobs", None)
         if extra:
             print(f"\n[{finish_reason}; " + ", ".join(f"{k}={v}" for k, v in extra.items()) + "]", file=sys.stderr)
+        for entry in entries or []:
+            top = " ".join(f"{i}:{v:.4f}" for i, v in entry["top"])
+            print(f"token {entry['token_id']} logprob {entry['logprob']:.4f}" + (f"  top {top}" if top else ""),
+                  file=sys.stderr)
     return 0
 
 

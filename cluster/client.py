@@ -14,7 +14,11 @@ Needs only ``grpcio`` and ``protobuf`` (never Ray, torch or the engine)::
 returns an async iterator). Prompt: exactly one of ``prompt`` (text),
 ``token_ids`` or ``messages`` (``[{"role": "user", "content": "..."}]``).
 Sampling keywords: ``max_new_tokens, temperature, top_k, top_p, seed, stop,
-stop_token_ids, ignore_eos``; ``speculative`` (None = the server's default)
+stop_token_ids, ignore_eos``, vLLM's ``min_p, repetition_penalty,
+presence_penalty, frequency_penalty, logit_bias`` (``{token_id: bias}``) and
+``logprobs`` (n: results and chunks then carry ``logprobs``, one
+:class:`TokenLogprob` per token), and ``reproducible`` (with ``seed``: the same
+tokens with speculation on or off and in any batch); ``speculative`` (None = the server's default)
 and ``request_id``. Unset keywords take the server's defaults.
 
 - ``timeout=`` (seconds) is the deadline of the whole call, retries included;
@@ -42,7 +46,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -72,6 +76,7 @@ __all__ = [
     "DSpineClient",
     "AsyncDSpineClient",
     "GenerateResult",
+    "TokenLogprob",
     "GenerateChunk",
     "Usage",
     "SpeculationStats",
@@ -127,6 +132,15 @@ class StageTimings:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and the top-n alternatives ``(token_id, logprob)``, descending."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     request_id: str
     text: str
@@ -135,6 +149,7 @@ class GenerateResult:
     usage: Usage
     speculation: SpeculationStats
     timings: StageTimings
+    logprobs: list[TokenLogprob] | None = None  # one per token when the request asked (sampling logprobs)
 
 
 @dataclass(frozen=True)
@@ -148,6 +163,7 @@ class GenerateChunk:
     usage: Usage | None = None
     speculation: SpeculationStats | None = None
     timings: StageTimings | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when asked
 
     @property
     def finished(self) -> bool:
@@ -184,17 +200,22 @@ def _timings(m: pb.StageTimings) -> StageTimings:
                         m.other, m.queue)
 
 
-def _result(m: pb.GenerateResponse) -> GenerateResult:
+def _logprobs(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
+
+
+def _result(m: pb.GenerateResponse, asked_logprobs: bool = False) -> GenerateResult:
     return GenerateResult(m.request_id, m.text, list(m.token_ids), _FINISH_REASONS.get(m.finish_reason, "stop"),
-                          _usage(m.usage), _speculation(m.speculation), _timings(m.timings))
+                          _usage(m.usage), _speculation(m.speculation), _timings(m.timings),
+                          _logprobs(m.logprobs) if asked_logprobs or len(m.logprobs) else None)
 
 
 def _chunk(m: pb.GenerateStreamResponse) -> GenerateChunk:
     reason = _FINISH_REASONS.get(m.finish_reason)
     if reason is None:
-        return GenerateChunk(m.request_id, m.text, list(m.token_ids))
+        return GenerateChunk(m.request_id, m.text, list(m.token_ids), logprobs=_logprobs(m.logprobs))
     return GenerateChunk(m.request_id, m.text, list(m.token_ids), reason, _usage(m.usage),
-                         _speculation(m.speculation), _timings(m.timings))
+                         _speculation(m.speculation), _timings(m.timings), _logprobs(m.logprobs))
 
 
 def _model_info(m: pb.ModelInfo) -> ModelInfo:
@@ -232,6 +253,10 @@ def build_generate_request(prompt: str | None = None, *, token_ids: Sequence[int
                            max_new_tokens: int | None = None, temperature: float | None = None,
                            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                            stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                           min_p: float | None = None, repetition_penalty: float | None = None,
+                           presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                           logit_bias: Mapping[int, float] | None = None, logprobs: int | None = None,
+                           reproducible: bool = False,
                            speculative: bool | None = None, request_id: str | None = None) -> pb.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (no range checks: the server owns validation)."""
     given = [name for name, value in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
@@ -248,12 +273,20 @@ def build_generate_request(prompt: str | None = None, *, token_ids: Sequence[int
         request.messages.CopyFrom(_chat(messages, add_generation_prompt))
     sampling = request.sampling
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
-                        ("top_p", top_p), ("seed", seed)):
+                        ("top_p", top_p), ("seed", seed), ("min_p", min_p),
+                        ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("logprobs", logprobs)):
         if value is not None:
             _set(sampling, name, value, f"sampling.{name}")
     _set(sampling, "stop", list(stop), "sampling.stop")
     _set(sampling, "stop_token_ids", list(stop_token_ids), "sampling.stop_token_ids")
     sampling.ignore_eos = bool(ignore_eos)
+    if logit_bias:
+        try:
+            sampling.logit_bias.update({int(k): float(v) for k, v in dict(logit_bias).items()})
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"sampling.logit_bias: {e}", field="sampling.logit_bias") from None
+    sampling.reproducible = bool(reproducible)
     if speculative is not None:
         request.speculative = bool(speculative)
     if request_id:
@@ -497,7 +530,8 @@ class DSpineClient(_ClientBase):
         request = build_generate_request(prompt, **kwargs)
         span = _ClientSpan("Generate")
         try:
-            result = _result(self._unary(self._stub.Generate, request, timeout, metadata, span))
+            result = _result(self._unary(self._stub.Generate, request, timeout, metadata, span),
+                             request.sampling.HasField("logprobs"))
         except BaseException as e:
             span.end(e)
             raise
@@ -649,7 +683,8 @@ class AsyncDSpineClient(_ClientBase):
         request = build_generate_request(prompt, **kwargs)
         span = _ClientSpan("Generate")
         try:
-            result = _result(await self._unary(self._stub.Generate, request, timeout, metadata, span))
+            result = _result(await self._unary(self._stub.Generate, request, timeout, metadata, span),
+                             request.sampling.HasField("logprobs"))
         except BaseException as e:
             span.end(e)
             raise

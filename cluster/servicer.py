@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DSpine"].full_name  # "dspine.v1.DSpine"
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_new_tokens")
+_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty", "logprobs")
 
 
 # ------------------------------------------------------------ proto -> data
@@ -90,6 +91,11 @@ def _check_unknown(message: Message, path: str) -> None:
         if field.message_type is None:
             continue
         sub = f"{path}.{field.name}" if path else field.name
+        if field.message_type.GetOptions().map_entry:  # a map iterates as its keys
+            if field.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    _check_unknown(item, f"{sub}[{key!r}]")
+            continue
         if field.is_repeated:
             for i, item in enumerate(value):
                 _check_unknown(item, f"{sub}[{i}]")
@@ -117,7 +123,8 @@ def generate_input_data(request: pb.GenerateRequest) -> dict:
     if request.HasField("sampling"):
         s = request.sampling
         sampling = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
-        sampling.update(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        sampling.update(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                        logit_bias=dict(s.logit_bias), reproducible=s.reproducible)
         data["sampling"] = sampling
     if request.HasField("speculative"):
         data["speculative"] = request.speculative
@@ -126,6 +133,11 @@ def generate_input_data(request: pb.GenerateRequest) -> dict:
 
 
 # ------------------------------------------------------------ data -> proto
+def _logprobs_pb(entries) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in entries or ()]
+
+
 def _fill_final(msg, stats: RequestStats | None, prompt_tokens: int, completion_tokens: int,
                 finish_reason: str) -> None:
     msg.finish_reason = _FINISH_REASONS[finish_reason]
@@ -249,14 +261,16 @@ class DSpineService:
         """Generate to completion; ``trace_ctx`` (an OpenTelemetry context) parents its stage spans."""
         token_ids: list[int] = []
         texts: list[str] = []
+        logprobs: list = []
         async with contextlib.aclosing(self._chunks(request, trace_ctx)) as chunks:
             async for prepared, chunk in chunks:
                 token_ids += chunk.token_ids
                 texts.append(chunk.text)
+                logprobs += chunk.logprobs or []
                 if chunk.finished:
                     _raise_if_abnormal(chunk)
                     response = pb.GenerateResponse(request_id=prepared.request_id, text="".join(texts),
-                                                   token_ids=token_ids)
+                                                   token_ids=token_ids, logprobs=_logprobs_pb(logprobs))
                     _fill_final(response, chunk.stats, len(prepared.prompt_token_ids), len(token_ids),
                                 chunk.finish_reason)
                     return response
@@ -271,7 +285,7 @@ class DSpineService:
                 if chunk.finished:
                     _raise_if_abnormal(chunk)
                 message = pb.GenerateStreamResponse(request_id=prepared.request_id, text=chunk.text,
-                                                    token_ids=chunk.token_ids)
+                                                    token_ids=chunk.token_ids, logprobs=_logprobs_pb(chunk.logprobs))
                 if chunk.finished:
                     _fill_final(message, chunk.stats, len(prepared.prompt_token_ids), completion_tokens,
                                 chunk.finish_reason)

@@ -18,6 +18,10 @@ Decisions a client can rely on:
   ``length`` at the context limit when prompt + output would exceed it;
 - ``temperature`` finite in [0, 100]; ``top_p`` in (0, 1]; ``top_k`` in
   [0, 2**31); ``seed`` in [0, 2**64);
+- ``min_p`` in [0, 1]; ``repetition_penalty`` in (0, 100]; ``presence_penalty``
+  and ``frequency_penalty`` in [-2, 2]; ``logit_bias`` at most 1024 entries, ids
+  inside the vocabulary, biases finite in [-100, 100]; ``logprobs`` in [0, 20];
+  ``reproducible`` needs a ``seed``;
 - at most 16 stop strings of 1..256 characters; at most 64 stop token ids,
   each inside the vocabulary; stop strings need a tokenizer;
 - ``request_id`` empty (the server picks one) or 1..128 of ``[A-Za-z0-9._:-]``;
@@ -48,7 +52,10 @@ from pydantic import (
 )
 
 from dspine.replica.errors import InvalidRequestError, NoDrafterError
-from dspine.replica.sampling import SamplingParams
+from dspine.replica.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+
+_MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is simply banned; a bound keeps it finite
+_MAX_LOGIT_BIAS_ENTRIES = 1024
 
 __all__ = [
     "ValidationLimits",
@@ -133,6 +140,65 @@ class SamplingInput(BaseModel):
     stop: tuple[StrictStr, ...] = ()
     stop_token_ids: tuple[StrictInt, ...] = ()
     ignore_eos: StrictBool = False
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[StrictInt, StrictFloat] = Field(default_factory=dict)
+    logprobs: StrictInt | None = None
+    reproducible: StrictBool = False
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"must be in [0, 1] (0 disables it), got {v!r}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and 0.0 < v <= _MAX_REPETITION_PENALTY):
+            raise ValueError(f"must be in (0, {_MAX_REPETITION_PENALTY:g}] (1 disables it), got {v!r}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _additive_penalty(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise ValueError(f"must be in [-2, 2] (0 disables it), got {v!r}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float], info: ValidationInfo) -> dict[int, float]:
+        limits = _limits(info)
+        if len(v) > _MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {_MAX_LOGIT_BIAS_ENTRIES} entries, got {len(v)}")
+        for token, bias in sorted(v.items()):
+            try:
+                _check_token_id(token, limits)
+            except ValueError as e:
+                raise ValueError(f"key {e}") from e
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"bias of token {token} must be finite in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias!r}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {v}")
+        return v
+
+    @field_validator("reproducible")
+    @classmethod
+    def _reproducible(cls, v: bool, info: ValidationInfo) -> bool:
+        # declared after seed, so info.data holds it (unless seed itself was invalid)
+        if v and "seed" in info.data and info.data["seed"] is None:
+            raise ValueError("needs a seed (the noise is derived from the seed and the position)")
+        return v
 
     @field_validator("temperature")
     @classmethod
@@ -389,6 +455,9 @@ def prepare_generate(request: GenerateInput, limits: ValidationLimits, tokenizer
         "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
         "max_new_tokens": s.max_new_tokens if s.max_new_tokens is not None else limits.default_max_new_tokens,
         "stop": s.stop, "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
+        "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty, "logit_bias": dict(s.logit_bias), "logprobs": s.logprobs,
+        "reproducible": s.reproducible,
     }
     try:
         params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -212,6 +212,7 @@ class Engine:
         """Validate and admit a request; raises at once if invalid or the engine is full."""
         speculative = self._resolve_speculative(speculative)
         self._validate_prompt(prompt_token_ids)
+        self._validate_logit_bias(params)
         request_id = request_id or uuid.uuid4().hex
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(self.target.args.eos_token_id)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
@@ -259,6 +260,12 @@ class Engine:
                 "prompt_token_ids", f"prompt has {len(prompt_token_ids)} tokens; the context limit is {self.max_seq_len}"
             )
 
+    def _validate_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.target.args.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise InvalidRequestError("logit_bias", f"token id {token_id} is not in the vocabulary [0, {vocab})")
+
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestEvent]:
         """One engine step over every admitted request: schedule -> run -> update_from_output."""
@@ -272,6 +279,9 @@ class Engine:
                 return []
             requests = dict(self.scheduler.requests)  # the step's requests, finished ones included
             runner_output = self.runner.execute(scheduler_output, self.scheduler.requests)
+            for request_id, entries in runner_output.new_logprobs.items():  # aligned with the committed tokens
+                if request_id in requests:
+                    requests[request_id].committed_logprobs.extend(entries)
             events = self.scheduler.update_from_output(scheduler_output, runner_output)
             record = StepRecord(self.stats.num_steps, start, time.perf_counter(), runner_output.stage_intervals,
                                 runner_output.num_verified, runner_output.accepted_len)
@@ -333,7 +343,17 @@ class Engine:
                 finish_reason=release.status.finish_reason if finished else None,
                 stats=request.stats if finished else None,
                 error=request.error if finished else None,
+                logprobs=self._released_logprobs(request, release),
             ))
+
+    @staticmethod
+    def _released_logprobs(request: Request, release) -> list | None:
+        """The logprobs of the tokens ``release`` lets out: the released tokens are always a prefix of
+        the committed ones (stop rules only cut the end), so they are a slice of the committed entries."""
+        if request.params.logprobs is None:
+            return None
+        start = len(request.released_token_ids) - len(release.token_ids)
+        return request.committed_logprobs[start:start + len(release.token_ids)]
 
     # ------------------------------------------------------ sync front ends
     def stream(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -400,6 +420,7 @@ class Engine:
             finish_reason=last.finish_reason,
             stats=last.stats,
             error=last.error,
+            logprobs=[e for c in chunks for e in (c.logprobs or [])] if last.logprobs is not None else None,
         )
 
     # ----------------------------------------------------- async front end

@@ -21,7 +21,7 @@ import torch
 
 from dspine import faults
 
-from . import sampling, verify
+from . import decoding, sampling, verify
 from .config import EngineConfig
 from .request import Request
 from .step_stats import StageInterval
@@ -52,6 +52,7 @@ class ModelRunner:
         self._deferred_context: dict[str, list[torch.Tensor]] = {}
         self._prefill_chunks: dict[str, tuple[int, int]] = {}  # this step's (SchedulerOutput.prefill_chunks)
         self._demoted: set[str] = set()  # speculative requests the draft pool could not extend
+        self._verified_logits: torch.Tensor | None = None  # this cycle's processed target logits (logprobs)
 
     # ------------------------------------------------------------------ step
     def execute(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> RunnerOutput:
@@ -115,6 +116,7 @@ class ModelRunner:
         logger.error("request %s failed:\n%s", request_id, error)
         out.failed[request_id] = error.strip().splitlines()[-1]
         out.new_token_ids.pop(request_id, None)
+        out.new_logprobs.pop(request_id, None)
         self._rollback([request_id])
         self.free([request_id])
 
@@ -201,7 +203,7 @@ class ModelRunner:
                 self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
         finishing = [b for b in range(len(batch)) if last[b]]
         if finishing:
-            first_tokens = self._sample(result.logits[finishing, 0], [batch[b] for b in finishing])
+            first_tokens = self._sample(result.logits[finishing, 0], [batch[b] for b in finishing], out)
             for b, token in zip(finishing, first_tokens):
                 out.new_token_ids[batch[b].request_id] = [token]
 
@@ -249,7 +251,7 @@ class ModelRunner:
             drafting = [b for b, r in enumerate(batch) if self._drafts(r)]
             result = self.target.forward_step(inputs, states, feature_layers=self.feature_layers if drafting else ())
             self.target.commit(states, [1] * len(batch))
-            tokens = self._sample(result.logits[:, 0], batch)
+            tokens = self._sample(result.logits[:, 0], batch, out)
             self._defer_context(request_ids, drafting, result.features)
         for request, token in zip(batch, tokens):
             out.new_token_ids[request.request_id] = [token]
@@ -306,7 +308,7 @@ class ModelRunner:
             nb = len(batch)
             # logits: [NB + NR, T, V]; T = 1 + max(lengths), a rider's row 0 is its real row
             verdict = self._verify(proposal, result.logits[:nb], batch, generators, num_verified)
-            rider_tokens = self._sample(result.logits[nb:, 0], riders) if riders else []
+            rider_tokens = self._sample(result.logits[nb:, 0], riders, out) if riders else []
         if riders:
             # The riders' target step is the same forward: their own interval, not engine time twice.
             verify_interval = out.stage_intervals[-1]
@@ -322,6 +324,10 @@ class ModelRunner:
             tokens = verdict.output_ids.tolist()
             self._defer_context(request_ids + rider_ids, [nb + i for i, r in enumerate(riders) if self._drafts(r)],
                                 result.features)
+            if decoding.wants_logprobs(batch):  # row i of the verified logits scored emitted token i
+                out.new_logprobs.update(decoding.token_logprobs(
+                    self._verified_logits, batch, [tokens[b][: accepted[b] + 1] for b in range(len(batch))]))
+            self._verified_logits = None
         for b, request in enumerate(batch):
             emitted = tokens[b][: accepted[b] + 1]
             out.new_token_ids[request.request_id] = emitted
@@ -344,6 +350,9 @@ class ModelRunner:
         """The tail's proposal for the batch; tests replace this to force acceptance patterns."""
         from . import tail
 
+        if any(p.is_gumbel for p in params):  # seed-reproducible requests propose with the target's noise
+            return decoding.propose(draft_out, self.tail_tables, anchors, [requests[r] for r in request_ids],
+                                    generators, with_confidence=self.config.verify_threshold > 0)
         temperature, top_k, top_p = sampling.batch_params(params, device=self.device)
         return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators,
                             with_confidence=self.config.verify_threshold > 0)
@@ -372,6 +381,9 @@ class ModelRunner:
         verified = bs - 1
         draft_ids = proposal.draft_ids[:, :verified]
         ragged = num_verified if bool((num_verified != verified).any()) else None
+        # logit bias and penalties; row t also counts the drafted y_1 .. y_t (logits_processors)
+        target_logits = decoding.processed_logits(target_logits, batch, draft_ids)
+        self._verified_logits = target_logits
         if all(r.params.is_greedy for r in batch):
             return verify.verify_greedy(draft_ids, target_logits, num_draft=ragged)
         greedy = torch.tensor([r.params.is_greedy for r in batch], device=self.device)
@@ -380,10 +392,15 @@ class ModelRunner:
             temperature = torch.where(temperature > 0, 1.0, temperature)
         if faults.active("runner.p_without_top_p"):
             top_p = torch.ones_like(top_p)
+        min_p = sampling.batch_min_p([r.params for r in batch], device=self.device)
         target_probs = sampling.probabilities(
             target_logits.reshape(nb * bs, vocab),
             temperature.repeat_interleave(bs), top_k.repeat_interleave(bs), top_p.repeat_interleave(bs),
+            min_p=min_p.repeat_interleave(bs),
         ).reshape(nb, bs, vocab)
+        # seed-reproducible requests: exact match against the target's Gumbel-argmax of every row
+        target_probs, gumbel_rows = decoding.gumbel_verify_targets(target_probs, target_logits, batch)
+        greedy = greedy | gumbel_rows
         # A fixed number of coins per request per cycle keeps each request's random stream
         # independent of acceptance and of its neighbours.
         coins = sampling.draw_uniforms(generators, num_draft + 1, device=self.device)  # [NB, BS]
@@ -400,12 +417,26 @@ class ModelRunner:
     def _param_tensors(self, batch: list[Request]):
         return sampling.batch_params([r.params for r in batch], device=self.device)
 
-    def _sample(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
-        """One token per row from the target distribution after each request's filtering."""
+    def _sample(self, logits: torch.Tensor, batch: list[Request], out: RunnerOutput | None = None) -> list[int]:
+        """One token per row from the target distribution after each request's processing and filtering
+        (and its logprobs into ``out`` when asked)."""
         # logits: [N, V]
+        logits = decoding.processed_logits(logits[:, None], batch)[:, 0]  # logit bias and penalties
+        tokens = self._choose(logits, batch)
+        if out is not None and decoding.wants_logprobs(batch):
+            out.new_logprobs.update(decoding.token_logprobs(logits[:, None], batch, [[t] for t in tokens]))
+        return tokens
+
+    def _choose(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
+        # logits: [N, V], processed
         if all(r.params.is_greedy for r in batch):
             return logits.argmax(dim=-1).tolist()
         temperature, top_k, top_p = self._param_tensors(batch)
-        probs = sampling.probabilities(logits, temperature, top_k, top_p)
+        min_p = sampling.batch_min_p([r.params for r in batch], device=self.device)
+        probs = sampling.probabilities(logits, temperature, top_k, top_p, min_p=min_p)
         uniforms = sampling.draw_uniforms([self.generators[r.request_id] for r in batch], 1, device=self.device)[:, 0]
-        return sampling.sample(probs, uniforms).tolist()
+        tokens = sampling.sample(probs, uniforms)
+        if any(r.params.is_gumbel for r in batch):  # seed-reproducible rows: Gumbel-argmax at their position
+            is_gumbel = torch.tensor([r.params.is_gumbel for r in batch], device=self.device)
+            tokens = torch.where(is_gumbel, decoding.gumbel_tokens(logits, batch), tokens)
+        return tokens.tolist()

@@ -27,6 +27,8 @@ class Request:
         # Tokens committed by the target but not yet fed back to it: the next
         # step's anchor (speculative) or input (target-only). Exactly one while running.
         self.pending_token_id: int | None = None
+        # Per committed token (when params.logprobs is set): its TokenLogprobs, in commit order.
+        self.committed_logprobs: list = []
         self.stats = RequestStats(
             num_prompt_tokens=len(prompt_token_ids),
             speculative=speculative,

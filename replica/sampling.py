@@ -6,10 +6,12 @@ drafter tail's q over its candidates all build their distributions with
 
 1. **temperature** ``T``: ``x = logits / T``. ``T == 0`` means greedy: only the
    argmax is kept (ties to the lower token id), whatever top-k / top-p say.
-2. **top-k** ``k``: keep the ``k`` largest entries of ``x``; ties at the
+2. **min-p** ``m``: keep the entries with ``p_i >= m * max(p)`` (``p`` = softmax of
+   ``x``), i.e. ``x_i >= max(x) + log(m)``; ``m == 0`` disables it.
+3. **top-k** ``k``: keep the ``k`` largest entries of ``x``; ties at the
    boundary go to the lower token id, so exactly ``min(k, V)`` entries survive.
    ``k == 0`` disables it.
-3. **top-p** ``P``: renormalise what top-k kept, sort it in descending order
+4. **top-p** ``P``: renormalise what top-k kept, sort it in descending order
    (ties by lower id) and keep the smallest prefix whose mass is ``>= P``. The
    top token is always kept; ``P == 1`` disables it (tokens are never dropped
    because a float64 cumulative sum happens to reach 1.0 early).
@@ -38,6 +40,7 @@ import torch
 __all__ = [
     "SamplingParams",
     "batch_params",
+    "batch_min_p",
     "filter_logits",
     "probabilities",
     "sample",
@@ -75,6 +78,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not part of the output)
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides EOS
     ignore_eos: bool = False  # keep generating past EOS
+    # vLLM's names and ranges (replica/logits_processors.py applies them, in one place):
+    min_p: float = 0.0  # in [0, 1]; keep tokens with p >= min_p * p_max (after temperature); 0 = off
+    repetition_penalty: float = 1.0  # > 0; seen tokens (prompt + output): logit / r if > 0 else logit * r
+    presence_penalty: float = 0.0  # in [-2, 2]; minus this once for every token the output already holds
+    frequency_penalty: float = 0.0  # in [-2, 2]; minus this times the token's count in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
+    logprobs: int | None = None  # None = off; n in [0, 20]: chosen token's logprob + top-n alternatives
+    # Seed-reproducible sampling (replica/gumbel.py): each token is the argmax of the filtered
+    # log-probabilities plus Gumbel noise drawn from (seed, absolute position) only, so the same
+    # seed gives the same tokens with speculation on or off and in any batch. Needs a seed.
+    reproducible: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -134,10 +148,80 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
 
+        set_(self, "min_p", _real_in("min_p", self.min_p, 0.0, 1.0, "[0, 1] (0 disables it)"))
+        r = _real_in("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "(0, inf) (1 disables it)")
+        if r <= 0:
+            raise ValueError(f"repetition_penalty: must be in (0, inf) (1 disables it), got {r!r}")
+        set_(self, "repetition_penalty", r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(self, name, _real_in(name, getattr(self, name), -2.0, 2.0, "[-2, 2] (0 disables it)"))
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
+
+        n = self.logprobs
+        if n is not None:
+            if not _is_int(n):
+                raise ValueError(f"logprobs: must be an int or None, got {type(n).__name__} {n!r}")
+            if not 0 <= n <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {n!r}")
+            set_(self, "logprobs", int(n))
+
+        if not isinstance(self.reproducible, bool):
+            raise ValueError(f"reproducible: must be a bool, got {type(self.reproducible).__name__} "
+                             f"{self.reproducible!r}")
+        if self.reproducible and self.seed is None:
+            raise ValueError("reproducible: needs a seed (the noise is derived from the seed and the position)")
+
     @property
     def is_greedy(self) -> bool:
         """True when decoding is argmax (temperature 0); top-k / top-p are then irrelevant."""
         return self.temperature == 0.0
+
+    @property
+    def is_gumbel(self) -> bool:
+        """True when tokens are Gumbel-argmax draws (seed-reproducible mode at temperature > 0)."""
+        return self.reproducible and not self.is_greedy
+
+
+MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for
+MAX_LOGIT_BIAS = 100.0  # |bias| bound, as OpenAI's API
+
+
+def _real_in(name: str, value: object, low: float, high: float, allowed: str) -> float:
+    if not _is_real(value):
+        raise ValueError(f"{name}: must be a real number, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or not low <= value <= high or (math.isinf(value)):
+        raise ValueError(f"{name}: must be in {allowed}, got {value!r}")
+    return float(value)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """Normalise a ``{token_id: bias}`` mapping or ``(id, bias)`` pairs to sorted pairs (ids checked
+    against the vocabulary by the engine, which knows it)."""
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (tuple, list)):
+        items = list(bias)
+    else:
+        raise ValueError(f"logit_bias: must be a dict of token id -> bias, got {type(bias).__name__} {bias!r}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"logit_bias: entries must be (token id, bias) pairs, got {item!r}")
+        token_id, value = item
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token_id!r}")
+        if not _is_real(value) or not math.isfinite(value) or abs(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: bias of token {token_id} must be finite in "
+                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
+        if int(token_id) in out:
+            raise ValueError(f"logit_bias: token {token_id} appears twice")
+        out[int(token_id)] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def batch_min_p(params: Sequence[SamplingParams], device: torch.device | str | None = None) -> torch.Tensor:
+    """``min_p [N]`` float64, one per request (0 = off)."""
+    return torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device)
 
 
 def batch_params(
@@ -159,7 +243,7 @@ def _row_param(value, n: int, dtype: torch.dtype, device: torch.device, name: st
     return t
 
 
-def _filter(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype) -> torch.Tensor:
+def _filter(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype, min_p=0.0) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits: expected shape [N, V], got {list(logits.shape)}")
     n, v = logits.shape
@@ -175,6 +259,13 @@ def _filter(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype)
     # tiny temperature can then only push entries to -inf, never to +inf / NaN.
     x = logits.to(dtype)
     x = (x - x.amax(dim=-1, keepdim=True)) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    min_p = _row_param(min_p, n, dtype, dev, "min_p")
+    if bool((min_p > 0).any()):
+        # min-p: keep p_i >= min_p * p_max. After the shift the top entry is 0, so p_i / p_max =
+        # exp(x_i) and the test is x_i >= log(min_p), decided before top-k / top-p (it keeps a
+        # prefix of the sorted order too, so it only ever narrows what they see).
+        # (log 0 = -inf: a row with min_p 0 drops nothing; the top entry always survives)
+        x = x.masked_fill(x < torch.log(min_p)[:, None], -math.inf)
     if bool(((top_k <= 0) | (top_k >= v) | greedy).all()) and bool(((top_p >= 1.0) | greedy).all()):
         return _keep_all_but_greedy(x, greedy)  # nothing truncates: skip the sort
 
@@ -207,8 +298,8 @@ def _keep_all_but_greedy(x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def filter_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
-    """Apply temperature, top-k, top-p; ``[N, V] -> [N, V]``, ``-inf`` outside the kept set.
+def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p=0.0) -> torch.Tensor:
+    """Apply temperature, min-p, top-k, top-p; ``[N, V] -> [N, V]``, ``-inf`` outside the kept set.
 
     ``temperature`` [N] float, ``top_k`` [N] int, ``top_p`` [N] float (tensors, or
     scalars broadcast to every row). Kept entries hold
@@ -218,17 +309,18 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tens
     is the target distribution (see :func:`probabilities` for the float64 one).
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    return _filter(logits, temperature, top_k, top_p, dtype)
+    return _filter(logits, temperature, top_k, top_p, dtype, min_p)
 
 
-def probabilities(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, temperature, top_k, top_p, dtype: torch.dtype = torch.float64,
+                  min_p=0.0) -> torch.Tensor:
     """The target distribution p: ``softmax(filter_logits(...))`` computed in ``dtype``; ``[N, V]``.
 
     Greedy rows are exactly one-hot on the argmax (ties to the lower id). The kept
     set (top-p boundary included) is decided in ``dtype`` too, so pass the same
     dtype everywhere p and q must agree (the default float64 does).
     """
-    return torch.softmax(_filter(logits, temperature, top_k, top_p, dtype), dim=-1)
+    return torch.softmax(_filter(logits, temperature, top_k, top_p, dtype, min_p), dim=-1)
 
 
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .logprobs import TokenLogprobs
     from .step_stats import StageInterval, StepRecord
 
 
@@ -98,6 +99,8 @@ class RunnerOutput:
     # Speculative requests the draft pool could not extend (only under admission_reservation
     # "prompt"): their draft slots are freed and they decode target-only from now on.
     draft_demoted: list[str] = field(default_factory=list)
+    # per request asking for logprobs: one entry per token of new_token_ids, in order
+    new_logprobs: dict[str, list["TokenLogprobs"]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "RunnerOutput":
@@ -192,6 +195,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stats: RequestStats
     error: str | None = None
+    logprobs: list["TokenLogprobs"] | None = None  # one per token of token_ids when the request asked
 
 
 @dataclass
@@ -204,6 +208,7 @@ class StreamChunk:
     finish_reason: str | None = None
     stats: RequestStats | None = None  # on the last chunk
     error: str | None = None
+    logprobs: list["TokenLogprobs"] | None = None  # one per token of token_ids when the request asked
 
     @property
     def finished(self) -> bool:

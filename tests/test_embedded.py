@@ -54,3 +54,31 @@ def test_greedy_speculation_is_lossless_on_the_bench_prompts(engine):
 def test_generate_text_reads_like_python(engine):
     result = engine.generate_text("def main():\n", SamplingParams(max_new_tokens=24))
     assert result.text and result.finish_reason in ("length", "stop")
+
+
+def test_embedded_tokenizer_ships_the_chat_template_the_train_command_writes(engine, tmp_path):
+    from dspine.replica.train.tokenizer import train_tokenizer
+
+    # `dspine train target` writes tokenizer_config.json through train_tokenizer: the rebuilt file,
+    # chat template included, is byte-identical to the shipped one (it does not depend on the corpus)
+    train_tokenizer(["def f(x):\n    return x\n"], vocab_size=300, out_dir=tmp_path)
+    shipped = (embedded.TARGET_DIR / "tokenizer_config.json").read_bytes()
+    assert (tmp_path / "tokenizer_config.json").read_bytes() == shipped
+    assert engine.tokenizer.chat_template == json.loads(shipped)["chat_template"]
+
+
+def test_messages_requests_work_on_the_embedded_pair(engine):
+    from dspine.cluster.chat import ChatTemplate
+    from dspine.cluster.validation import ValidationLimits, prepare_generate, validate_generate
+
+    limits = ValidationLimits.from_engine(engine)
+    assert limits.has_chat_template
+    messages = [{"role": "system", "content": "Utilities for lists."},
+                {"role": "user", "content": "Return the largest\nelement of xs."}]
+    request = validate_generate({"messages": messages, "sampling": {"max_new_tokens": 24}}, limits)
+    template = ChatTemplate(engine.tokenizer.chat_template)
+    assert template.render(messages) == "# Utilities for lists.\n# Return the largest\n# element of xs.\n"
+    prepared = prepare_generate(request, limits, engine.tokenizer, template)
+    assert engine.tokenizer.decode(prepared.prompt_token_ids) == template.render(messages)
+    result = engine.generate(prepared.prompt_token_ids, prepared.params)
+    assert result.token_ids and result.text

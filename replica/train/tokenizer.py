@@ -9,6 +9,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 END_OF_TEXT = "<|endoftext|>"
 
+# The embedded pair is a Python code model with no chat tokens, so a conversation is rendered as
+# code: system and user turns become comment lines, assistant turns stay code, and the generation
+# prompt is the start of the next line. HF's Jinja conventions (messages, add_generation_prompt),
+# rendered in the server's sandbox (cluster/chat.py).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] }}\n"
+    "{% else %}{% for line in message['content'].split('\n') %}"
+    "{{ ('# ' + line).rstrip() }}\n"
+    "{% endfor %}{% endif %}"
+    "{% endfor %}"
+)
+
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> Tokenizer:
     """Train BPE on ``texts``; writes tokenizer.json and tokenizer_config.json into ``out_dir``."""
@@ -25,6 +38,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> T
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    config = {"eos_token": END_OF_TEXT, "model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {"eos_token": END_OF_TEXT, "model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast",
+              "chat_template": CHAT_TEMPLATE}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return tokenizer

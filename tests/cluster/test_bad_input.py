@@ -40,6 +40,8 @@ def _request(**fields) -> pb.GenerateRequest:
     for name, value in sampling.items():
         if isinstance(value, list):
             getattr(request.sampling, name).extend(value)
+        elif isinstance(value, dict):
+            getattr(request.sampling, name).update(value)
         else:
             setattr(request.sampling, name, value)
     return request
@@ -83,6 +85,26 @@ CASES = [
     ("stop-token-out-of-vocab", _request(token_ids=OK, sampling={"stop_token_ids": [3, 600]}),
      "sampling.stop_token_ids"),
     ("stop-token-negative", _request(token_ids=OK, sampling={"stop_token_ids": [-2]}), "sampling.stop_token_ids"),
+    ("min-p-nan", _request(token_ids=OK, sampling={"min_p": NAN}), "sampling.min_p"),
+    ("min-p-above-one", _request(token_ids=OK, sampling={"min_p": 1.5}), "sampling.min_p"),
+    ("repetition-penalty-zero", _request(token_ids=OK, sampling={"repetition_penalty": 0.0}),
+     "sampling.repetition_penalty"),
+    ("repetition-penalty-nan", _request(token_ids=OK, sampling={"repetition_penalty": NAN}),
+     "sampling.repetition_penalty"),
+    ("presence-penalty-above-two", _request(token_ids=OK, sampling={"presence_penalty": 2.5}),
+     "sampling.presence_penalty"),
+    ("frequency-penalty-nan", _request(token_ids=OK, sampling={"frequency_penalty": NAN}),
+     "sampling.frequency_penalty"),
+    ("frequency-penalty-below-minus-two", _request(token_ids=OK, sampling={"frequency_penalty": -3.0}),
+     "sampling.frequency_penalty"),
+    ("logit-bias-out-of-vocab", _request(token_ids=OK, sampling={"logit_bias": {512: 1.0}}), "sampling.logit_bias"),
+    ("logit-bias-negative-id", _request(token_ids=OK, sampling={"logit_bias": {-1: 1.0}}), "sampling.logit_bias"),
+    ("logit-bias-nan", _request(token_ids=OK, sampling={"logit_bias": {5: NAN}}), "sampling.logit_bias"),
+    ("logit-bias-huge", _request(token_ids=OK, sampling={"logit_bias": {5: 1e9}}), "sampling.logit_bias"),
+    ("logprobs-above-twenty", _request(token_ids=OK, sampling={"logprobs": 21}), "sampling.logprobs"),
+    ("logprobs-negative", _request(token_ids=OK, sampling={"logprobs": -1}), "sampling.logprobs"),
+    ("reproducible-without-seed", _request(token_ids=OK, sampling={"reproducible": True, "temperature": 1.0}),
+     "sampling.reproducible"),
     ("request-id-charset", _request(token_ids=OK, request_id="bad id!"), "request_id"),
     ("request-id-too-long", _request(token_ids=OK, request_id="r" * 129), "request_id"),
     ("chat-empty", _request(messages=chat()), "messages"),

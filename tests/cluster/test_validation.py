@@ -64,12 +64,37 @@ def rejected(data, limits=LIMITS) -> InvalidRequestError:
     ({"token_ids": [1], "sampling": {"stop": ["x"] * 17}}, "sampling.stop"),
     ({"token_ids": [1], "sampling": {"stop_token_ids": [512]}}, "sampling.stop_token_ids"),
     ({"token_ids": [1], "sampling": {"bogus": 1}}, "sampling.bogus"),
+    ({"token_ids": [1], "sampling": {"min_p": math.nan}}, "sampling.min_p"),
+    ({"token_ids": [1], "sampling": {"min_p": -0.1}}, "sampling.min_p"),
+    ({"token_ids": [1], "sampling": {"repetition_penalty": 0.0}}, "sampling.repetition_penalty"),
+    ({"token_ids": [1], "sampling": {"repetition_penalty": math.inf}}, "sampling.repetition_penalty"),
+    ({"token_ids": [1], "sampling": {"presence_penalty": -2.5}}, "sampling.presence_penalty"),
+    ({"token_ids": [1], "sampling": {"frequency_penalty": math.nan}}, "sampling.frequency_penalty"),
+    ({"token_ids": [1], "sampling": {"logit_bias": {512: 1.0}}}, "sampling.logit_bias"),
+    ({"token_ids": [1], "sampling": {"logit_bias": {3: math.inf}}}, "sampling.logit_bias"),
+    ({"token_ids": [1], "sampling": {"logit_bias": {i: 1.0 for i in range(1025)}}}, "sampling.logit_bias"),
+    ({"token_ids": [1], "sampling": {"logprobs": 21}}, "sampling.logprobs"),
+    ({"token_ids": [1], "sampling": {"logprobs": 1.5}}, "sampling.logprobs"),
+    ({"token_ids": [1], "sampling": {"reproducible": True}}, "sampling.reproducible"),
     ({"token_ids": [1], "request_id": "a/b"}, "request_id"),
     ({"token_ids": [1], "request_id": "é"}, "request_id"),
     ({"token_ids": [1], "speculative": "yes"}, "speculative"),
 ])
 def test_rejections_name_the_field(data, field):
     assert rejected(data).field == field
+
+
+def test_request_options_reach_the_engine_params():
+    request = check({"token_ids": [1], "sampling": {
+        "min_p": 0.05, "repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2.0,
+        "logit_bias": {7: -100.0, 3: 2.5}, "logprobs": 20, "reproducible": True, "seed": 9, "temperature": 0.7}})
+    params = prepare_generate(request, LIMITS).params
+    assert (params.min_p, params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (
+        0.05, 1.2, -0.5, 2.0)
+    assert params.logit_bias == ((3, 2.5), (7, -100.0)) and params.logprobs == 20 and params.is_gumbel
+    defaults = prepare_generate(check({"token_ids": [1]}), LIMITS).params
+    assert (defaults.min_p, defaults.repetition_penalty, defaults.logit_bias, defaults.logprobs,
+            defaults.reproducible) == (0.0, 1.0, (), None, False)
 
 
 def test_capabilities():

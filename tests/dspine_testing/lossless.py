@@ -27,6 +27,7 @@ there, so the test stays exact for the rest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,8 @@ def _near_tied_boundary(logits: torch.Tensor, params: SamplingParams) -> torch.T
     z = logits.sort(dim=1, descending=True).values / params.temperature
     vocab = z.shape[1]
     tied = torch.zeros(z.shape[0], dtype=torch.bool)
+    if params.min_p > 0:  # an entry within rounding of the min-p threshold max + log(min_p)
+        tied |= ((z - z[:, :1] - math.log(params.min_p)).abs() < _LOGIT_TIE).any(1)
     k = params.top_k if 0 < params.top_k < vocab else vocab
     if k < vocab:
         tied |= (z[:, k - 1] - z[:, k]) < _LOGIT_TIE
@@ -76,11 +79,35 @@ def target_probabilities(target, prompt: list[int], outputs: list[list[int]], pa
     tokens = torch.tensor([prompt + out for out in outputs])  # [N, P + L]
     length = len(outputs[0])
     logits = target(tokens[:, :-1]).logits[:, len(prompt) - 1:].double()  # [N, L, V]: row n predicts token n
+    logits = _penalised(logits, prompt, torch.tensor(outputs), params)
     n, _, vocab = logits.shape
     flat = logits.reshape(n * length, vocab)
     temperature, top_k, top_p = sampling.batch_params([params] * (n * length))
-    probs = sampling.probabilities(flat, temperature, top_k, top_p).view(n, length, vocab)
+    probs = sampling.probabilities(flat, temperature, top_k, top_p, min_p=params.min_p).view(n, length, vocab)
     return probs, _near_tied_boundary(flat, params).view(n, length)
+
+
+def _penalised(logits: torch.Tensor, prompt: list[int], outputs: torch.Tensor, params: SamplingParams):
+    """``logits [N, L, V]`` with the request's logit bias and penalties, position by position: position
+    ``l`` sees the prompt and ``outputs[:, :l]`` (written independently of the engine's block-wise
+    counts, as the definition in ``dspine.replica.logits_processors`` reads)."""
+    n, length, vocab = logits.shape
+    if (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and not params.logit_bias):
+        return logits
+    out = logits.clone()
+    for token_id, bias in params.logit_bias:
+        out[:, :, token_id] += bias
+    in_prompt = torch.zeros(vocab, dtype=torch.bool)
+    in_prompt[torch.tensor(prompt)] = True
+    for pos in range(length):
+        counts = torch.stack([torch.bincount(outputs[i, :pos], minlength=vocab) for i in range(n)]).double()
+        x = out[:, pos]
+        seen = in_prompt[None, :] | (counts > 0)
+        r = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        out[:, pos] = x - params.presence_penalty * (counts > 0) - params.frequency_penalty * counts
+    return out
 
 
 def fit(target, samples: dict[tuple[int, ...], list[list[int]]], params: SamplingParams, first_position: int = 1,

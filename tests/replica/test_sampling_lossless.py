@@ -38,6 +38,8 @@ class Case:
     params: SamplingParams
     verify_threshold: float  # 0: whole-block verification
     adaptive: bool = False  # adaptive speculation (the policy picks rows per request and step)
+    # accepted rows per cycle the case must reach (penalties: the drafter proposes without them)
+    min_mean_accepted: float = 0.9
 
 
 CASES = {
@@ -50,6 +52,12 @@ CASES = {
     "temperature-topk-topp": Case(SamplingParams(temperature=0.7, top_k=12, top_p=0.9), 0.05),
     # the shipped configuration: adaptive speculation on top of the confidence cut, with top-p
     "adaptive": Case(SamplingParams(temperature=0.7, top_p=0.9), 0.05, adaptive=True),
+    # penalties and a logit bias (row t of a block counts the tokens drafted before it), with min-p
+    "penalties-minp": Case(SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.3,
+                                          presence_penalty=0.5, frequency_penalty=0.4,
+                                          logit_bias={3: 1.0, 8: -2.0}), 0.0, min_mean_accepted=0.4),
+    # seed-reproducible (Gumbel-max) sampling: exact-match verification against the target's noise
+    "gumbel": Case(SamplingParams(temperature=0.7, top_p=0.9, reproducible=True, seed=0), 0.0),
 }
 
 # Each bug and the case built to expose it.
@@ -61,6 +69,8 @@ BROKEN = {
     "tail.confidence_reads_own_draw": "dynamic",
     "runner.p_without_temperature": "temperature-topk-topp",
     "runner.p_without_top_p": "temperature-topk-topp",
+    "penalties.same_counts_for_every_row": "penalties-minp",
+    "gumbel.noise_halved": "gumbel",
 }
 
 
@@ -118,8 +128,9 @@ def test_engine_samples_follow_the_target(real_runs, name):
     # the policy drafts only where it pays, and how often depends on this machine's timings:
     # far fewer cycles (646 and 1,080 in two runs)
     scale = 25 if CASES[name].adaptive else 1
-    assert len(run.cycles) > 6_000 // scale
-    assert sum(a for _, a in run.cycles) / len(run.cycles) > 0.9  # substantial acceptance
+    # Gumbel mode accepts about 2.9 rows per cycle (the drafter proposes with the target's noise): fewer cycles
+    assert len(run.cycles) > (3_000 if CASES[name].params.reproducible else 6_000) // scale
+    assert sum(a for _, a in run.cycles) / len(run.cycles) > CASES[name].min_mean_accepted  # substantial acceptance
     assert set(range(16)) <= set(accepted) or name != "whole-block", sorted(accepted)
     assert sum(1 for v, a in run.cycles if 0 < a < v) > 500 // scale  # rejections mid-block
     truncated_bonus = sum(1 for v, a in run.cycles if 0 < a == v < 15)

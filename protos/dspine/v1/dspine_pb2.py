@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spine/v1/dspine.proto\x12\tdspine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"v\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xfc\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xed\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.dspine.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.dspine.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspine.v1.SamplingParams\x12\x18\n\x0bspeculative\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06promptB\x0e\n\x0c_speculative\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa1\x01\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0e\n\x06\x63ycles\x18\x02 \x01(\r\x12\x19\n\x11mean_accepted_len\x18\x03 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65pted_len_histogram\x18\x04 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\"\xac\x01\n\x0cStageTimings\x12\x0f\n\x07prefill\x18\x01 \x01(\x01\x12\r\n\x05\x64raft\x18\x02 \x01(\x01\x12\x0c\n\x04tail\x18\x03 \x01(\x01\x12\x0e\n\x06verify\x18\x04 \x01(\x01\x12\x0e\n\x06\x63ommit\x18\x05 \x01(\x01\x12\x13\n\x0btarget_step\x18\x06 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\x07 \x01(\x01\x12\r\n\x05other\x18\x08 \x01(\x01\x12\r\n\x05queue\x18\t \x01(\x01\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dspine.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dspine.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.dspine.v1.SpeculationStats\x12(\n\x07timings\x18\x07 \x01(\x0b\x32\x17.dspine.v1.StageTimings\"\xfa\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dspine.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dspine.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.dspine.v1.SpeculationStats\x12(\n\x07timings\x18\x07 \x01(\x0b\x32\x17.dspine.v1.StageTimings\"\x8f\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.dspine.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa6\x02\n\tModelInfo\x12\x13\n\x0btarget_name\x18\x01 \x01(\t\x12\x13\n\x0btarget_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhas_drafter\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x15\n\reos_token_ids\x18\n \x03(\x03\x12\x1b\n\x13speculative_default\x18\x0b \x01(\x08\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0c \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xf6\x02\n\x06\x44Spine\x12\x43\n\x08Generate\x12\x1a.dspine.v1.GenerateRequest\x1a\x1b.dspine.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.dspine.v1.GenerateRequest\x1a!.dspine.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.dspine.v1.TokenizeRequest\x1a\x1b.dspine.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.dspine.v1.DetokenizeRequest\x1a\x1d.dspine.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.dspine.v1.GetModelInfoRequest\x1a\x14.dspine.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spine/v1/dspine.proto\x12\tdspine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"v\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xe6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.dspine.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\t\x88\x01\x01\x12\x14\n\x0creproducible\x18\x0f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.dspine.v1.TopLogprob\"\xed\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.dspine.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.dspine.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspine.v1.SamplingParams\x12\x18\n\x0bspeculative\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06promptB\x0e\n\x0c_speculative\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa1\x01\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0e\n\x06\x63ycles\x18\x02 \x01(\r\x12\x19\n\x11mean_accepted_len\x18\x03 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65pted_len_histogram\x18\x04 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\"\xac\x01\n\x0cStageTimings\x12\x0f\n\x07prefill\x18\x01 \x01(\x01\x12\r\n\x05\x64raft\x18\x02 \x01(\x01\x12\x0c\n\x04tail\x18\x03 \x01(\x01\x12\x0e\n\x06verify\x18\x04 \x01(\x01\x12\x0e\n\x06\x63ommit\x18\x05 \x01(\x01\x12\x13\n\x0btarget_step\x18\x06 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\x07 \x01(\x01\x12\r\n\x05other\x18\x08 \x01(\x01\x12\r\n\x05queue\x18\t \x01(\x01\"\x9f\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dspine.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dspine.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.dspine.v1.SpeculationStats\x12(\n\x07timings\x18\x07 \x01(\x0b\x32\x17.dspine.v1.StageTimings\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dspine.v1.TokenLogprob\"\xa5\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dspine.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dspine.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.dspine.v1.SpeculationStats\x12(\n\x07timings\x18\x07 \x01(\x0b\x32\x17.dspine.v1.StageTimings\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dspine.v1.TokenLogprob\"\x8f\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.dspine.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa6\x02\n\tModelInfo\x12\x13\n\x0btarget_name\x18\x01 \x01(\t\x12\x13\n\x0btarget_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhas_drafter\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x15\n\reos_token_ids\x18\n \x03(\x03\x12\x1b\n\x13speculative_default\x18\x0b \x01(\x08\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0c \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xf6\x02\n\x06\x44Spine\x12\x43\n\x08Generate\x12\x1a.dspine.v1.GenerateRequest\x1a\x1b.dspine.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.dspine.v1.GenerateRequest\x1a!.dspine.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.dspine.v1.TokenizeRequest\x1a\x1b.dspine.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.dspine.v1.DetokenizeRequest\x1a\x1d.dspine.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.dspine.v1.GetModelInfoRequest\x1a\x14.dspine.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspine.protos.dspine.v1.dspine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2231
-  _globals['_FINISHREASON']._serialized_end=2326
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2815
+  _globals['_FINISHREASON']._serialized_end=2910
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_CHATMESSAGE']._serialized_start=62
@@ -40,31 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=108
   _globals['_CHATMESSAGES']._serialized_end=226
   _globals['_SAMPLINGPARAMS']._serialized_start=229
-  _globals['_SAMPLINGPARAMS']._serialized_end=481
-  _globals['_GENERATEREQUEST']._serialized_start=484
-  _globals['_GENERATEREQUEST']._serialized_end=721
-  _globals['_USAGE']._serialized_start=723
-  _globals['_USAGE']._serialized_end=780
-  _globals['_SPECULATIONSTATS']._serialized_start=783
-  _globals['_SPECULATIONSTATS']._serialized_end=944
-  _globals['_STAGETIMINGS']._serialized_start=947
-  _globals['_STAGETIMINGS']._serialized_end=1119
-  _globals['_GENERATERESPONSE']._serialized_start=1122
-  _globals['_GENERATERESPONSE']._serialized_end=1366
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1369
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1619
-  _globals['_TOKENIZEREQUEST']._serialized_start=1622
-  _globals['_TOKENIZEREQUEST']._serialized_end=1765
-  _globals['_TOKENIZERESPONSE']._serialized_start=1767
-  _globals['_TOKENIZERESPONSE']._serialized_end=1804
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1806
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1873
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1875
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1909
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1911
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1932
-  _globals['_MODELINFO']._serialized_start=1935
-  _globals['_MODELINFO']._serialized_end=2229
-  _globals['_DSPINE']._serialized_start=2329
-  _globals['_DSPINE']._serialized_end=2703
+  _globals['_SAMPLINGPARAMS']._serialized_end=843
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=642
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=690
+  _globals['_TOPLOGPROB']._serialized_start=845
+  _globals['_TOPLOGPROB']._serialized_end=892
+  _globals['_TOKENLOGPROB']._serialized_start=894
+  _globals['_TOKENLOGPROB']._serialized_end=979
+  _globals['_GENERATEREQUEST']._serialized_start=982
+  _globals['_GENERATEREQUEST']._serialized_end=1219
+  _globals['_USAGE']._serialized_start=1221
+  _globals['_USAGE']._serialized_end=1278
+  _globals['_SPECULATIONSTATS']._serialized_start=1281
+  _globals['_SPECULATIONSTATS']._serialized_end=1442
+  _globals['_STAGETIMINGS']._serialized_start=1445
+  _globals['_STAGETIMINGS']._serialized_end=1617
+  _globals['_GENERATERESPONSE']._serialized_start=1620
+  _globals['_GENERATERESPONSE']._serialized_end=1907
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1910
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2203
+  _globals['_TOKENIZEREQUEST']._serialized_start=2206
+  _globals['_TOKENIZEREQUEST']._serialized_end=2349
+  _globals['_TOKENIZERESPONSE']._serialized_start=2351
+  _globals['_TOKENIZERESPONSE']._serialized_end=2388
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2390
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2457
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2459
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2493
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2495
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2516
+  _globals['_MODELINFO']._serialized_start=2519
+  _globals['_MODELINFO']._serialized_end=2813
+  _globals['_DSPINE']._serialized_start=2913
+  _globals['_DSPINE']._serialized_end=3287
 # @@protoc_insertion_point(module_scope)
