@@ -293,11 +293,22 @@ def cmd_generate(args) -> int:
             provider = trace.get_tracer_provider()
             if hasattr(provider, "force_flush"):
                 provider.force_flush()  # the spans leave before the process exits
-        text, token_ids, finish_reason, extra = result.text, result.token_ids, result.finish_reason, {}
+        text, token_ids, finish_reason = result.text, result.token_ids, result.finish_reason
+        spec = result.speculation
+        extra = {  # the figures a local run prints, from the server's final message
+            "speculative": spec.speculative,
+            "cycles": spec.cycles,
+            "mean_accepted_len": round(spec.mean_accepted_len, 3),
+            "decode_tokens_per_s": round(result.decode_tokens_per_second, 1),
+        }
         logprobs = [(e.token_id, e.logprob, e.top) for e in result.logprobs or []]
     else:
         engine = _engine_from_args(args, speculative_needed=not args.no_spec)
         params = _sampling_from_args(args, args.stop)
+        if not args.prompt:  # the server's rule and words (cluster/validation.py validate_text)
+            from dspine.replica.errors import InvalidRequestError
+
+            raise InvalidRequestError("text", "must not be empty")
         result = engine.generate_text(args.prompt, params, speculative=False if args.no_spec else None)
         text, token_ids, finish_reason = result.text, result.token_ids, result.finish_reason
         stats = result.stats
@@ -572,24 +583,39 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _is_request_error(exc: BaseException) -> bool:
+    """An engine's InvalidRequestError (checked without importing the engine, which loads torch)."""
+    if "dspine.replica.errors" not in sys.modules:
+        return False
+    from dspine.replica.errors import InvalidRequestError
+
+    return isinstance(exc, InvalidRequestError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "status": cmd_status, "deploy": cmd_deploy,
                 "info": cmd_info, "plan": cmd_plan, "bench": cmd_bench, "train": cmd_train}
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"dspine {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # a server's answer is one line, not a traceback
+    except Exception as e:  # a request's or a server's error is one line with exit 1, not a traceback
         from .client_errors import DSpineClientError, Unavailable
 
-        if not isinstance(e, DSpineClientError):
-            raise
-        hint = f" (is a dspine server listening at {args.server}?)" if isinstance(e, Unavailable) and getattr(
-            args, "server", None) else ""
-        print(f"dspine {args.command}: error: {e}{hint}", file=sys.stderr)
-        return 1
+        if isinstance(e, DSpineClientError):
+            hint = f" (is a dspine server listening at {args.server}?)" if isinstance(e, Unavailable) and getattr(
+                args, "server", None) else ""
+            print(f"dspine {args.command}: error: {e}{hint}", file=sys.stderr)
+            return 1
+        if _is_request_error(e):  # an engine's field error, named as a server names it
+            from .errors import status_for
+
+            code, message = status_for(e)
+            print(f"dspine {args.command}: error: {code.name}: {message}", file=sys.stderr)
+            return 1
+        if isinstance(e, (ValueError, FileNotFoundError)):  # bad arguments or files
+            print(f"dspine {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

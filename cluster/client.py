@@ -151,6 +151,16 @@ class GenerateResult:
     timings: StageTimings
     logprobs: list[TokenLogprob] | None = None  # one per token when the request asked (sampling logprobs)
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Output tokens after the first over the engine's time after the first token (as the
+        engine's own ``RequestStats.decode_tokens_per_second``, from the server's timings)."""
+        t = self.timings
+        in_steps = t.prefill + t.draft + t.tail + t.verify + t.commit + t.target_step + t.other
+        elapsed = t.queue + in_steps - t.time_to_first_token  # finish - first token
+        tokens = len(self.token_ids)
+        return (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class GenerateChunk:

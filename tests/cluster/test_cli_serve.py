@@ -75,3 +75,36 @@ def test_dspine_serve_starts_the_cluster_and_status_reads_it():
         finally:
             proc.send_signal(signal.SIGINT)
             assert proc.wait(60) == 0
+
+
+@pytest.mark.timeout(180)
+def test_generate_prints_the_same_figures_and_errors_locally_and_through_a_server(capsys):
+    """`--json` through `--server` carries the speculation and throughput figures a local run
+    prints, and a bad request reads the same (status, field, words; exit 1) either way."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dspine.cluster.cli", "serve", "--standalone", "--port", "0", "--device", "cpu",
+               "--dtype", "float32", "--max-concurrency", "2"]
+    args = ["--prompt", "def fibonacci(n):", "--max-new-tokens", "12", "--json"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            line = proc.stdout.readline()
+            assert "serving on" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+            address = line.strip().rsplit(" ", 1)[-1]
+            capsys.readouterr()
+            assert main(["generate", "--server", address, *args]) == 0
+            served = json.loads(capsys.readouterr().out)
+            assert main(["generate", "--server", address, "--prompt", "", "--max-new-tokens", "2"]) == 1
+            served_error = capsys.readouterr().err.strip()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, proc.stderr.read()
+    assert main(["generate", *args, "--device", "cpu", "--dtype", "float32"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--prompt", "", "--max-new-tokens", "2"]) == 1
+    local_error = capsys.readouterr().err.strip()
+
+    assert set(served) == set(local)
+    assert served["token_ids"] == local["token_ids"]  # greedy: the same tokens, speculation on both sides
+    assert served["speculative"] is True and served["cycles"] > 0 and served["decode_tokens_per_s"] > 0
+    assert served["mean_accepted_len"] >= 0
+    assert served_error == local_error == "dspine generate: error: INVALID_ARGUMENT: text: must not be empty"
