@@ -97,7 +97,9 @@ class Engine:
         self.max_seq_len = config.max_seq_len or target.args.max_position_embeddings
         self.block_size = drafter.args.block_size if drafter is not None else 0
         draft_pool, tail_tables = self._device_thread.call(self._build_draft_side)
-        self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
+        target_kv_pool = self._device_thread.call(self._build_target_kv_pool)
+        self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device,
+                                  target_kv_pool=target_kv_pool)
         policy = None
         if drafter is not None and config.adaptive_speculation:
             policy = SpeculationPolicy(self.block_size - 1)
@@ -132,6 +134,11 @@ class Engine:
         target, drafter = device_thread.call(load)
         tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
         return cls(target, drafter, tokenizer, config, device_thread)
+
+    def _build_target_kv_pool(self):
+        from .models.paged_kv_pool import build_target_kv_pool
+
+        return build_target_kv_pool(self.target, self.config, self.max_seq_len, self.block_size, self.device)
 
     def _build_draft_side(self):
         if self.drafter is None:
@@ -489,4 +496,5 @@ class Engine:
                 "requests": self.scheduler.num_unfinished,
                 "target_states": self.runner.num_live_states,
                 "draft_slots": pool.used if pool is not None else 0,
+                "target_kv_blocks": self.runner.target_kv_used_blocks(),
             }
