@@ -29,6 +29,11 @@ FAULTS: dict[str, str] = {
                                   "drawn from the residual [p - q]+ of the next row instead of from p",
     "runner.p_without_temperature": "the target's p used by verification ignores the request's temperature",
     "runner.p_without_top_p": "the target's p used by verification ignores the request's top-p",
+    "paged_kv.write_padded_rows": "a ragged paged step writes every padded row of the batch into the "
+                                  "target K/V pool, not only the requests' new rows",
+    "paged_kv.slot_off_by_one": "the paged step stores each new K/V row one slot past its position",
+    "paged_kv.free_keeps_blocks": "freeing a request (finish, cancel, failure) does not return its target "
+                                  "K/V blocks to the pool",
 }
 
 _active: frozenset[str] = frozenset()

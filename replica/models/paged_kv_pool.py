@@ -32,6 +32,7 @@ from typing import Hashable, Sequence
 
 import torch
 
+from dspine import faults
 from dspine.replica.errors import DSpineError
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class PagedKVPool:
         """Return every block of the request; idempotent (unknown ids free nothing). Returns blocks freed."""
         table = self._tables.pop(request_id, None)
         if table is None:
+            return 0
+        if faults.active("paged_kv.free_keeps_blocks"):
             return 0
         self._free.extend(reversed(table.blocks))
         return len(table.blocks)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspine import faults
+
 from .gated_deltanet import GatedDeltaNet, delta_rule_replay
 from .paged_kv_pool import PagedKVPool
 from .target_config import FULL, TARGET_CONFIGS, TargetArgs
@@ -144,11 +146,14 @@ class Attention(nn.Module):
         B, _, T, D = q.shape
         p = ctx.paged
         k_rows, v_rows = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, Hkv, D)
-        if p.valid is None:
+        slots = p.new_slots
+        if p.valid is None or faults.active("paged_kv.write_padded_rows"):
             k_rows, v_rows = k_rows.reshape(B * T, self.n_kv, D), v_rows.reshape(B * T, self.n_kv, D)
+            if p.valid is not None:
+                slots = p.pool.slots(p.block_table, ctx.positions).reshape(-1)
         else:  # padded rows never reach the pool
             k_rows, v_rows = k_rows[p.valid], v_rows[p.valid]
-        p.pool.write(idx, p.new_slots, k_rows, v_rows)
+        p.pool.write(idx, slots, k_rows, v_rows)
         if p.read_slots is not None:  # CPU: transient gather, then exactly the contiguous layout's SDPA
             keys, values = p.pool.gather(idx, p.read_slots)  # (B, Hkv, key_len, D)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask,
@@ -202,6 +207,9 @@ class TargetModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centred_norm)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # K/V bytes the contiguous layout copies per step (the padded batch buffer and the copy back
+        # into each request's buffer); the paged layout never adds to it. Benches and tests read it.
+        self.kv_copy_bytes = 0
 
     def _inv_freq(self, device=None) -> torch.Tensor:
         R = self.args.rotary_dim
@@ -309,6 +317,7 @@ class TargetModel(nn.Module):
                 for b, s in enumerate(states):
                     k_buf[:, b, :, : starts[b]] = s.k_cache[:, :, : starts[b]]
                     v_buf[:, b, :, : starts[b]] = s.v_cache[:, :, : starts[b]]
+                self.kv_copy_bytes += 2 * k_buf.numel() * k_buf.element_size()
             mask = None
             if B > 1 or T > 1:
                 mask = (torch.arange(key_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
@@ -348,6 +357,7 @@ class TargetModel(nn.Module):
                 s.ensure_capacity(n + t)
                 s.k_cache[:, :, n : n + t] = k_buf[:, b, :, n : n + t]
                 s.v_cache[:, :, n : n + t] = v_buf[:, b, :, n : n + t]
+                self.kv_copy_bytes += 2 * s.k_cache[:, :, n : n + t].numel() * k_buf.element_size()
         if a.linear_layer_ids:
             new_conv, new_rec = torch.stack(new_conv, dim=1), torch.stack(new_rec, dim=1)  # (B, Ll, ...)
             if keep_inputs:
@@ -406,6 +416,8 @@ class TargetModel(nn.Module):
         table = pool.block_table(ids, pool.blocks_needed(key_len))  # (B, W)
         new_slots = pool.slots(table, positions)  # (B, T)
         new_slots = new_slots.reshape(-1) if valid is None else new_slots[valid]
+        if faults.active("paged_kv.slot_off_by_one"):
+            new_slots = new_slots + 1
         backend = paged_backend(device, pool.block_size)
         read_slots = None
         if backend == "torch":
