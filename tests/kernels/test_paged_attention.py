@@ -105,8 +105,11 @@ def test_cuda_pools_pick_flash_attn_when_it_imports(stub_flash_attn):
 
 def test_without_flash_attn_cuda_pools_pick_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` now fails
+    import importlib
+
     from dspine.kernels import _triton
-    from dspine.kernels import paged_attention as module
+
+    module = importlib.import_module("dspine.kernels.paged_attention")  # the package re-exports the function
 
     monkeypatch.setattr(module, "_flash_installed", lambda: False)
     assert paged_backend("cuda", 256) == ("triton" if _triton.triton is not None else "torch")

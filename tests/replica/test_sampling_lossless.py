@@ -138,6 +138,11 @@ def test_the_same_test_fails_a_broken_engine(real_runs, fault):
     assert broken.fit.pvalue < FAIL_PVALUE, (fault, broken.fit)
 
 
+# Faults of the target's K/V pool break no sampled distribution by themselves; their tests are
+# tests/replica/models/test_paged_kv.py and tests/replica/test_target_kv_engine.py.
+PROVEN_ELSEWHERE = {"paged_kv.write_padded_rows", "paged_kv.slot_off_by_one", "paged_kv.free_keeps_blocks"}
+
+
 def test_every_fault_has_a_case():
-    assert set(BROKEN) == set(faults.FAULTS)
+    assert set(BROKEN) | PROVEN_ELSEWHERE == set(faults.FAULTS)
     assert set(BROKEN.values()) <= set(CASES)
