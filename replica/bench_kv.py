@@ -4,10 +4,12 @@ The same weights serve two engines, one per `EngineConfig.target_kv_layout`
 ("contiguous": per-request buffers, a padded copy of the batch's K/V every
 step; "paged": the preallocated pool, new rows only). Each decodes the same
 `num_requests` prompts of `prompt_len` tokens, all in flight at once,
-target-only and speculatively; repeats interleave the layouts (alternating
-which goes first) so a slow stretch of a shared machine lands on both. Decode
-throughput is timed from the step after the last prompt's prefill to the
-end; the ratio paged / contiguous is the median of the paired repeats. The
+target-only and speculatively. Both engines hold the same requests at once
+and, after the prefills, their decode steps alternate (greedy, fixed drafting
+plan: the two engines take identical steps), so a burst of load from another
+process lands on both sides of each pair. Throughput is decode tokens over
+the summed step times (median of the repeats); the ratio paged / contiguous
+is the median over every pair of steps of t_contiguous / t_paged. The
 K/V bytes each layout moved per decode step come from the counters
 (`PagedKVPool.bytes_written` / `bytes_gathered`, `TargetModel.kv_copy_bytes`).
 """
@@ -42,32 +44,52 @@ def _load(target_dir, draft_dir, config: EngineConfig, device_thread: DeviceThre
     return device_thread.call(load)
 
 
-def _decode_run(engine: Engine, prompts: list[list[int]], params: SamplingParams, speculative: bool) -> dict:
-    """All prompts in flight; returns decode seconds/tokens (after every prefill), outputs and K/V traffic."""
-    ids = [engine.add_request(p, params, speculative=speculative) for p in prompts]
-    outputs = {i: [] for i in ids}
+def _decode_pair(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams,
+                 speculative: bool, first: int) -> dict:
+    """The same prompts in flight on every engine; after every prefill, decode steps alternate between
+    the engines (the first one alternating too), each step timed. Greedy with a fixed drafting plan,
+    both engines then take identical steps, so step i of one pairs with step i of the other and a
+    burst of load from elsewhere lands on both. Returns per layout: decode seconds, tokens, per-step
+    seconds, outputs and K/V traffic."""
+    names = list(engines)
+    state = {}
+    for name, engine in engines.items():
+        ids = [engine.add_request(p, params, speculative=speculative) for p in prompts]
+        state[name] = {"ids": ids, "outputs": {i: [] for i in ids}, "step_seconds": []}
 
-    def step():
-        for event in engine.step():
-            outputs[event.request.request_id] += event.release.token_ids
+    def step(name):
+        for event in engines[name].step():
+            state[name]["outputs"][event.request.request_id] += event.release.token_ids
 
-    while any(not tokens for tokens in outputs.values()):  # prefill (maybe over several steps)
-        step()
-    pool, target = engine.runner.target_kv_pool, engine.target
-    first = sum(len(t) for t in outputs.values())
-    before = (pool.bytes_written, pool.bytes_gathered) if pool is not None else (0, 0)
-    copies_before, steps = target.kv_copy_bytes, 0
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        step()
-        steps += 1
-    seconds = time.perf_counter() - start
-    after = (pool.bytes_written, pool.bytes_gathered) if pool is not None else (0, 0)
-    return {"seconds": seconds, "tokens": sum(len(t) for t in outputs.values()) - first, "steps": steps,
-            "outputs": [outputs[i] for i in ids],
-            "written_per_step": (after[0] - before[0]) / max(steps, 1),
-            "gathered_per_step": (after[1] - before[1]) / max(steps, 1),
-            "copied_per_step": (target.kv_copy_bytes - copies_before) / max(steps, 1)}
+    for name in names:  # prefill (maybe over several steps), untimed
+        while any(not t for t in state[name]["outputs"].values()):
+            step(name)
+    for name, engine in engines.items():
+        pool = engine.runner.target_kv_pool
+        state[name]["first_tokens"] = sum(len(t) for t in state[name]["outputs"].values())
+        state[name]["before"] = ((pool.bytes_written, pool.bytes_gathered) if pool is not None else (0, 0),
+                                 engine.target.kv_copy_bytes)
+    i = first
+    while any(engine.has_unfinished() for engine in engines.values()):
+        order = names if i % 2 == 0 else names[::-1]
+        i += 1
+        for name in order:
+            if engines[name].has_unfinished():
+                start = time.perf_counter()
+                step(name)
+                state[name]["step_seconds"].append(time.perf_counter() - start)
+    out = {}
+    for name, engine in engines.items():
+        st, pool = state[name], engine.runner.target_kv_pool
+        (w0, g0), c0 = st["before"]
+        w1, g1 = (pool.bytes_written, pool.bytes_gathered) if pool is not None else (0, 0)
+        steps = max(len(st["step_seconds"]), 1)
+        out[name] = {"seconds": sum(st["step_seconds"]), "step_seconds": st["step_seconds"],
+                     "tokens": sum(len(t) for t in st["outputs"].values()) - st["first_tokens"],
+                     "outputs": [st["outputs"][r] for r in st["ids"]],
+                     "written_per_step": (w1 - w0) / steps, "gathered_per_step": (g1 - g0) / steps,
+                     "copied_per_step": (engine.target.kv_copy_bytes - c0) / steps}
+    return out
 
 
 def bench_kv_layouts(target_dir: str | Path | None = None, draft_dir: str | Path | None = None,
@@ -94,26 +116,27 @@ def bench_kv_layouts(target_dir: str | Path | None = None, draft_dir: str | Path
     modes = {"target-only": False} | ({"speculative": True} if drafter is not None else {})
     for engine in engines.values():  # warm-up
         engine.generate_many([p[:32] for p in prompts[:2]], SamplingParams(max_new_tokens=4), speculative=False)
-    runs = {(layout, mode): [] for layout in LAYOUTS for mode in modes}
+    runs = {mode: [] for mode in modes}
     for repeat in range(repeats):
         for m, (mode, speculative) in enumerate(modes.items()):
-            order = LAYOUTS if (repeat + m) % 2 == 0 else LAYOUTS[::-1]
-            for layout in order:
-                runs[layout, mode].append(_decode_run(engines[layout], prompts, params, speculative))
+            runs[mode].append(_decode_pair(engines, prompts, params, speculative, first=repeat + m))
     rows = []
     for mode in modes:
-        old, new = runs["contiguous", mode], runs["paged", mode]
-        tps = {layout: [r["tokens"] / r["seconds"] for r in runs[layout, mode]] for layout in LAYOUTS}
+        pairs = runs[mode]
+        tps = {layout: [r[layout]["tokens"] / r[layout]["seconds"] for r in pairs] for layout in LAYOUTS}
+        step_ratios = [c / p for r in pairs for c, p in zip(r["contiguous"]["step_seconds"], r["paged"]["step_seconds"])]
         rows.append({
             "mode": mode,
             "contiguous_tokens_per_s": statistics.median(tps["contiguous"]),
             "paged_tokens_per_s": statistics.median(tps["paged"]),
-            "ratio": statistics.median(p / c for p, c in zip(tps["paged"], tps["contiguous"])),
+            # paged / contiguous throughput: the median over all paired steps of t_contiguous / t_paged
+            "ratio": statistics.median(step_ratios),
             "run_ratios": [p / c for p, c in zip(tps["paged"], tps["contiguous"])],
-            "identical_output": all(a["outputs"] == b["outputs"] for a, b in zip(old, new)),
-            "contiguous_copied_per_step": statistics.median(r["copied_per_step"] for r in old),
-            "paged_written_per_step": statistics.median(r["written_per_step"] for r in new),
-            "paged_gathered_per_step": statistics.median(r["gathered_per_step"] for r in new),
+            "paired_steps": len(step_ratios),
+            "identical_output": all(r["contiguous"]["outputs"] == r["paged"]["outputs"] for r in pairs),
+            "contiguous_copied_per_step": statistics.median(r["contiguous"]["copied_per_step"] for r in pairs),
+            "paged_written_per_step": statistics.median(r["paged"]["written_per_step"] for r in pairs),
+            "paged_gathered_per_step": statistics.median(r["paged"]["gathered_per_step"] for r in pairs),
         })
     for engine in engines.values():
         assert engine.num_live_states()["target_kv_blocks"] == 0
@@ -126,7 +149,7 @@ def format_kv_layouts(report: dict) -> str:
     """One table: decode tokens/s per layout and mode, the same-run ratio, and K/V bytes per decode step."""
     mib = 2**20
     lines = [f"target K/V layouts, {report['num_requests']} requests in flight x {report['prompt_len']}-token prompts, "
-             f"{report['new_tokens']} new tokens each, greedy, median of {report['repeats']} paired repeats, "
+             f"{report['new_tokens']} new tokens each, greedy, {report['repeats']} repeats, ratio: median of paired steps, "
              f"{report['threads']} threads",
              f"{'mode':12} {'contiguous':>14} {'paged':>14} {'paged/contig':>13}  identical  "
              f"{'copied/step':>12} {'written/step':>13} {'gathered/step':>14}",
