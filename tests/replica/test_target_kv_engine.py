@@ -85,3 +85,12 @@ def test_a_request_the_pool_cannot_hold_fails_alone_with_a_message_naming_the_po
     assert "target KV pool exhausted" in (errors.get(ids[1]) or "")
     assert ids[0] not in errors
     assert engine.num_live_states()["target_kv_blocks"] == 0
+
+
+@pytest.mark.parametrize("field,value", [("target_kv_layout", "pages"), ("target_kv_block_size", 0),
+                                         ("target_kv_blocks", 1)])
+def test_bad_kv_settings_name_the_field(field, value):
+    from dspine.replica import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**{field: value})
