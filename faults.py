@@ -45,6 +45,12 @@ MEMORY_FAULTS: dict[str, str] = {
                                      "context",
     # tests/replica/test_memory_admission.py::test_admission_check_fails_when_memory_is_ignored
     "scheduler.admission_ignores_memory": "the scheduler starts a waiting request whatever its reservation",
+    # tests/replica/models/test_paged_kv.py and test_target_kv_engine.py
+    "paged_kv.write_padded_rows": "a ragged paged step writes every padded row of the batch into the "
+                                  "target K/V pool, not only the requests' new rows",
+    "paged_kv.slot_off_by_one": "the paged step stores each new K/V row one slot past its position",
+    "paged_kv.free_keeps_blocks": "freeing a request (finish, cancel, failure) does not return its target "
+                                  "K/V blocks to the pool",
 }
 
 _active: frozenset[str] = frozenset()

@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_engine.add_argument("--through-server", action="store_true",
                               help="with --sweep: also run the sweep through the standalone gRPC server "
                                    "(a subprocess, streamed through the SDK)")
+    bench_engine.add_argument("--kv-layouts", type=int, nargs="?", const=1024, default=None, metavar="PROMPT_LEN",
+                              help="the target's K/V layouts (contiguous vs paged) in one run: --num-prompts "
+                                   "requests in flight with PROMPT_LEN-token prompts (default 1024), "
+                                   "target-only and speculative decode throughput, --repeats paired repeats")
     bench_engine.add_argument("--tracing", action="store_true",
                               help="also measure decode time with tracing on vs off (paired, same run)")
     bench_prefill = bench_kinds.add_parser("prefill", help="peak activation memory of a long prefill: chunked vs "
@@ -524,6 +528,14 @@ def cmd_bench(args) -> int:
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=True)
     from dspine.replica import Engine, SamplingParams
 
+    if args.kv_layouts is not None:
+        from dspine.replica.bench_kv import bench_kv_layouts, format_kv_layouts
+
+        report = bench_kv_layouts(target_dir, draft_dir, num_requests=args.num_prompts, prompt_len=args.kv_layouts,
+                                  new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device,
+                                  dtype=args.dtype, adaptive=not args.no_adaptive)
+        print(json.dumps(report, indent=2) if args.json else format_kv_layouts(report))
+        return 0
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     if args.sweep:
         engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=8))

@@ -16,6 +16,12 @@ from dspine.kernels.fp8_head_topk import (
     quantize_head_fp8,
     round_to_e4m3,
 )
+from dspine.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_flash,
+    paged_attention_ref,
+    paged_attention_triton,
+)
 from dspine.kernels.tail_chain import tail_chain, tail_chain_ref, tail_chain_triton
 from dspine.kernels.tail_tables import precompute_tail_tables, tail_tables, tail_tables_ref, tail_tables_triton
 
@@ -33,6 +39,10 @@ __all__ = [
     "fp8_head_topk_triton",
     "head_topk_bf16",
     "head_topk_exact",
+    "paged_attention",
+    "paged_attention_flash",
+    "paged_attention_ref",
+    "paged_attention_triton",
     "quantize_head_fp8",
     "round_to_e4m3",
     "tail_chain",

@@ -5,13 +5,17 @@
     python -m dspine.kernels.bench_gpu --cpu-smoke     # tiny shapes under TRITON_INTERPRET=1 (CI)
 
 For each kernel (bridge, draft_attention, fp8_head_topk, tail_tables,
-tail_chain; a missing one is skipped with a message) it runs ``<op>_triton``
+tail_chain, paged_attention; a missing one is skipped with a message) it runs ``<op>_triton``
 and ``<op>_ref`` on the same random inputs, compares them (relative RMS error
 for floats, exact equality for ids), then times both: median of ``--iters``
 runs after ``--warmup`` runs, CUDA events. Achieved bandwidth is the kernel's
 estimated unique HBM bytes / median time, printed next to a measured
 device-to-device copy (read + write bytes / time). Shapes: H=5120, D=1024,
 M=512, V=248,320, BS=16, K=16, R=128, 32 q / 8 kv heads of 128, context 8192.
+The target's library paths are checked the same way when their libraries
+import: ``paged_attention_flash`` (flash-attn's paged kernel, pages of 256)
+and ``gated_delta_rule_fla`` (flash-linear-attention vs the torch delta rule);
+otherwise they print "skipped".
 Exit code: 0 when every present kernel matches its reference (or no CUDA
 device: nothing to check), 1 on a mismatch or error.
 """
@@ -180,13 +184,78 @@ def case_tail_chain(kmod, s, nb, dev, dt):
                 bytes_of(scores) // K + bytes_of(cand) // K + nb * (BS - 1) * (K * 8 + 16))
 
 
-CASES = [  # (kernel module, builder, needs the smoke flag)
+class Unavailable(Exception):
+    """A case whose kernel library is not installed here (reported as skipped, not as a failure)."""
+
+
+def case_paged_attention(kmod, s, nb, dev, dt, smoke):
+    """The target's full attention over the paged pool: a 16-row verify of each request at context CTX.
+    27B target shapes: 24 q / 4 kv heads of 256. Pages of 16 (Triton) or 256 (flash-attn 2)."""
+    hq, hkv, hd, T, ctx = (4, 2, 16, 4, 20) if smoke else (24, 4, 256, 16, s["CTX"])
+    flash = kmod.__name__.endswith("_flash")
+    page = 256 if flash else 16
+    if flash and kmod.flash_attn_kvcache() is None:
+        raise Unavailable("flash_attn is not installed (see the README: GPU install)")
+    g = torch.Generator(device=dev).manual_seed(42)
+    width = -(-(ctx + T) // page)
+    num_blocks = nb * width + 1  # block 0: the pool's sink
+    table = (torch.randperm(num_blocks - 1, generator=g, device=dev) + 1).view(nb, width).int()
+    args = (torch.randn(nb, T, hq, hd, generator=g, device=dev).to(dt),
+            torch.randn(num_blocks, page, hkv, hd, generator=g, device=dev).to(dt),
+            torch.randn(num_blocks, page, hkv, hd, generator=g, device=dev).to(dt),
+            table, torch.full((nb,), ctx, dtype=torch.int32, device=dev), hd ** -0.5)
+    kernel = kmod.paged_attention_flash if flash else kmod.paged_attention_triton
+    nbytes = 2 * nb * (ctx + T) * hkv * hd * args[1].element_size() + 2 * bytes_of(args[0])
+    return Case("paged_attention_flash" if flash else "paged_attention", lambda: kernel(*args),
+                lambda: kmod.paged_attention_ref(*args), _close(2e-2 if dt == torch.bfloat16 else 1e-4), nbytes)
+
+
+def case_gated_delta_rule(kmod, s, nb, dev, dt, smoke):
+    """The target's GDN recurrence through flash-linear-attention vs the torch path: a 16-row verify
+    (the chunked kernel). 27B shapes: 16 key / 48 value heads of 128."""
+    if dev.type != "cuda" or kmod.fla_gated_delta_rule() is None:
+        raise Unavailable("flash-linear-attention (fla-core) not importable, or no CUDA")
+    from dspine.replica.models.gated_deltanet import delta_rule_chunked, l2norm
+
+    hk, hv, d, T = (2, 4, 16, 16) if smoke else (16, 48, 128, 16)
+    g = torch.Generator(device=dev).manual_seed(42)
+    rn = lambda *shape: torch.randn(*shape, generator=g, device=dev)  # noqa: E731
+    q, k = l2norm(rn(nb, T, hk, d)) * d ** -0.5, l2norm(rn(nb, T, hk, d))
+    v, log_decay = rn(nb, T, hv, d), -torch.rand(nb, T, hv, generator=g, device=dev)
+    beta, state = torch.rand(nb, T, hv, generator=g, device=dev), rn(nb, hv, d, d) * 0.1
+
+    def ref():
+        rep = hv // hk
+        qe, ke = (t.repeat_interleave(rep, 2).transpose(1, 2) for t in (q, k))
+        out, final = delta_rule_chunked(qe, ke, v.transpose(1, 2), log_decay.transpose(1, 2),
+                                        beta.transpose(1, 2), state)
+        return out.transpose(1, 2), final
+
+    nbytes = bytes_of(q, k, v, log_decay, beta) + 2 * bytes_of(state) + bytes_of(v)
+    return Case("gated_delta_rule_fla", lambda: kmod.fla_delta_rule(q, k, v, log_decay, beta, state), ref,
+                _close(1e-2), nbytes)
+
+
+CASES = [  # (kernel module, builder, needs the smoke flag[, label])
     ("bridge", case_bridge, False),
     ("draft_attention", case_draft_attention, False),
     ("fp8_head_topk", case_fp8_head_topk, True),
     ("tail_tables", case_tail_tables, False),
     ("tail_chain", case_tail_chain, False),
+    ("paged_attention", case_paged_attention, True),
+    ("paged_attention", case_paged_attention, True, "paged_attention_flash"),
+    ("dspine.replica.models.gdn_backend", case_gated_delta_rule, True, "gated_delta_rule_fla"),
 ]
+
+
+class _Named:
+    """A kernel module seen under one of its backends' names (``__name__``), attributes forwarded."""
+
+    def __init__(self, module, name: str):
+        self._module, self.__name__ = module, name
+
+    def __getattr__(self, attr):
+        return getattr(self._module, attr)
 
 
 def main(argv=None) -> int:
@@ -227,13 +296,19 @@ def main(argv=None) -> int:
     failures = 0
     header = f"{'kernel':<16} {'NB':>3} {'kernel ms':>10} {'ref ms':>10} {'speedup':>8} {'GB/s':>9} {'% copy':>7}  check"
     print(header)
-    for name, build, needs_smoke in CASES:
+    for module_name, build, needs_smoke, *label in CASES:
+        name = label[0] if label else module_name
         if a.only and name not in a.only:
             continue
         try:
-            kmod = importlib.import_module(f"dspine.kernels.{name}")
-            for attr in (f"{name}_triton", f"{name}_ref"):
-                getattr(kmod, attr)
+            if "." in module_name:  # a dispatch module outside kernels/ (its reference is the torch path)
+                kmod = importlib.import_module(module_name)
+            else:
+                kmod = importlib.import_module(f"dspine.kernels.{module_name}")
+                for attr in (f"{module_name}_triton", f"{module_name}_ref"):
+                    getattr(kmod, attr)
+            if label:  # a second backend of the same module: the builder picks it by this name
+                kmod = _Named(kmod, name)
         except (ImportError, AttributeError) as e:
             print(f"{name:<16} skipped: kernel not available ({e})")
             continue
@@ -251,6 +326,9 @@ def main(argv=None) -> int:
                 del case, out, ref
                 if cuda:
                     torch.cuda.empty_cache()
+            except Unavailable as e:
+                print(f"{name:<16} {nb:>3} skipped: {e}")
+                break
             except Exception as e:  # report and go on: one broken kernel must not hide the others
                 print(f"{name:<16} {nb:>3} ERROR {type(e).__name__}: {e}")
                 failures += 1

@@ -88,14 +88,17 @@ class PagedKvCapacity:
     name = "target K/V"
     speculative_only = False
 
-    def __init__(self, pool):
+    def __init__(self, pool, verify_rows: int = 0):
         self.pool = pool
+        # A verify writes its rows' K/V before the commit keeps the accepted prefix, so a request
+        # briefly holds up to ``verify_rows`` positions past the committed ones.
+        self.verify_rows = verify_rows
 
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
+        return (self.pool.num_blocks - 1) * self.pool.block_size  # block 0 is the padding sink
 
     def tokens_for(self, num_positions: int) -> int:
-        return self.pool.blocks_needed(num_positions) * self.pool.block_size
+        return self.pool.blocks_needed(num_positions + self.verify_rows) * self.pool.block_size
 
     def free_tokens(self) -> int:
         return self.pool.num_free_blocks * self.pool.block_size

@@ -29,6 +29,17 @@ class EngineConfig:
     retrieval: str = "auto"
     speculative_default: bool = True  # used when a request does not say and a drafter is loaded
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per forward
+    # The target's full-attention K/V: "paged" (one preallocated PagedKVPool per replica, blocks
+    # per request, steps write only their new rows; attention reads it in place on CUDA) or
+    # "contiguous" (the original per-request buffers grown by doubling, batches copied into a
+    # padded buffer every step). Same greedy output bit for bit on CPU.
+    target_kv_layout: str = "paged"
+    # Tokens per pool block. flash-attn 2's paged kernel needs a multiple of 256 (else CUDA runs
+    # the project's Triton kernel, which takes any power of two >= 16).
+    target_kv_block_size: int = 16
+    # Blocks in the pool (block 0 is a padding sink); None -> every admitted request at its largest:
+    # max_concurrency * ceil((max_seq_len + verify rows) / block) + 1.
+    target_kv_blocks: int | None = None
     # Dynamic verification: verify draft row t only while the product of the drafter's
     # confidences of rows 1..t (each row's top candidate probability given the chosen previous
     # token, never its own draw) is >= this (0: always the whole block). Lossless either way.
@@ -81,6 +92,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if self.target_kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"target_kv_layout: must be 'paged' or 'contiguous', got {self.target_kv_layout!r}")
+        if self.target_kv_block_size < 1:
+            raise ValueError(f"target_kv_block_size: must be >= 1, got {self.target_kv_block_size}")
+        if self.target_kv_blocks is not None and self.target_kv_blocks < 2:
+            raise ValueError(f"target_kv_blocks: must be >= 2 (block 0 is the padding sink), got {self.target_kv_blocks}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
 

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
-from .admission import DraftPoolCapacity, MemoryAdmission, TargetTokenCapacity
+from .admission import DraftPoolCapacity, MemoryAdmission, PagedKvCapacity, TargetTokenCapacity
 from .config import EngineConfig
 from .device_thread import DeviceThread
 from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
@@ -133,13 +133,18 @@ class Engine:
                                               self.max_seq_len, sum(p.numel() * p.element_size()
                                                                     for p in target.parameters()))
         draft_pool, tail_tables = self._device_thread.call(self._build_draft_side)
-        self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device)
+        target_kv_pool = self._device_thread.call(self._build_target_kv_pool)
+        self.runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, self.device,
+                                  target_kv_pool=target_kv_pool)
         policy = None
         if drafter is not None and config.adaptive_speculation:
             policy = SpeculationPolicy(self.block_size - 1)
-        # Admission by memory (replica/admission.py): the target's K/V (bounded when configured; a
-        # paged pool plugs in as PagedKvCapacity) and the draft KV pool.
-        pools = [TargetTokenCapacity(config.target_kv_tokens, self._target_tokens_in_use)]
+        # Admission by memory (replica/admission.py): the target's K/V (its paged pool, or for the
+        # contiguous layout a configured token bound) and the draft KV pool.
+        if target_kv_pool is not None:
+            pools = [PagedKvCapacity(target_kv_pool, verify_rows=max(self.block_size - 1, 0))]
+        else:
+            pools = [TargetTokenCapacity(config.target_kv_tokens, self._target_tokens_in_use)]
         if draft_pool is not None:
             pools.append(DraftPoolCapacity(draft_pool))
         self.admission = MemoryAdmission(pools, self.max_seq_len, config.admission_reservation, self.block_size)
@@ -184,6 +189,11 @@ class Engine:
             return sum(s.num_tokens + s.num_pending for s in list(self.runner.states.values()))
         except RuntimeError:  # the dict changed under the read: one step's staleness is fine
             return 0
+
+    def _build_target_kv_pool(self):
+        from .models.paged_kv_pool import build_target_kv_pool
+
+        return build_target_kv_pool(self.target, self.config, self.max_seq_len, self.block_size, self.device)
 
     def _build_draft_side(self):
         if self.drafter is None:
@@ -567,4 +577,5 @@ class Engine:
                 "requests": self.scheduler.num_unfinished,
                 "target_states": self.runner.num_live_states,
                 "draft_slots": pool.used if pool is not None else 0,
+                "target_kv_blocks": self.runner.target_kv_used_blocks(),
             }

@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, target, drafter, tail_tables, draft_pool, config: EngineConfig, device: torch.device):
+    def __init__(self, target, drafter, tail_tables, draft_pool, config: EngineConfig, device: torch.device,
+                 target_kv_pool=None):
         self.target = target
+        self.target_kv_pool = target_kv_pool  # PagedKVPool (paged layout) or None (contiguous)
         self.drafter = drafter
         self.tail_tables = tail_tables
         self.draft_pool = draft_pool
@@ -89,6 +91,16 @@ class ModelRunner:
             self._demoted.discard(request_id)
             if self.draft_pool is not None and self.draft_pool.has_request(request_id):
                 self.draft_pool.free_request(request_id)
+
+    def target_kv_free_tokens(self) -> int | None:
+        """Positions the target's paged K/V pool can still take (free blocks x block size);
+        None for the contiguous layout (no fixed capacity)."""
+        pool = self.target_kv_pool
+        return None if pool is None else pool.num_free_blocks * pool.block_size
+
+    def target_kv_used_blocks(self) -> int:
+        """Blocks of the target's K/V pool held by requests (zero when idle: the leak check)."""
+        return 0 if self.target_kv_pool is None else self.target_kv_pool.used
 
     @property
     def num_live_states(self) -> int:
@@ -163,7 +175,8 @@ class ModelRunner:
             for request_id in request_ids:
                 if request_id not in self.states:
                     request = requests[request_id]
-                    self.states[request_id] = self.target.new_state(device=self.device, dtype=self.target_dtype)
+                    self.states[request_id] = self.target.new_state(
+                        device=self.device, dtype=self.target_dtype, kv_pool=self.target_kv_pool, request_id=request_id)
                     self.generators[request_id] = sampling.make_generator(request.params.seed, self.device)
             todo = [r for r in request_ids if self.states[r].num_tokens < chunks[r][1]]
             budget = self.config.prefill_chunk_tokens

@@ -46,7 +46,7 @@ _MAX_PROBE_INTERVAL = 64
 # went from 0.98x to 1.13x target-only (virtual-time sweep) with whole-block probes. A sampled
 # row is accepted about half the time, so four rows tell it all and cost less.
 _PROBE_ROWS = {"greedy": 15, "sampled": 4}
-_PROBE_REQUESTS = 8  # requests a probe drafts at most (the ones that drafted longest ago)
+_PROBE_REQUESTS = 2  # requests a probe drafts at most (the ones that drafted longest ago)
 
 
 class LinearCost:

@@ -15,6 +15,9 @@
   state untouched.
 - `delta_rule_replay` re-runs the recurrence from stored per-position inputs;
   `TargetModel.commit` uses it to take the state at an accepted prefix.
+- On CUDA, flash-linear-attention and causal-conv1d run the delta rule and
+  the conv when they import (`gdn_backend.py`); this torch code is their
+  reference and the CPU path.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gdn_backend
 from .target_config import TargetArgs
 
 
@@ -127,7 +131,9 @@ class GatedDeltaNet(nn.Module):
 
         # causal depthwise conv over [committed tail | new tokens]
         window = torch.cat([conv_state.to(conv_in.dtype), conv_in.transpose(1, 2)], dim=2)  # (B, C, K-1+T)
-        if T == 1:  # decode: a dot product per channel
+        if gdn_backend.conv_backend(x.device) == "causal_conv1d":  # CUDA, when installed
+            mixed = gdn_backend.causal_conv_silu(window, self.conv1d.weight[:, 0], T)  # (B, C, T)
+        elif T == 1:  # decode: a dot product per channel
             mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1, keepdim=True))  # (B, C, 1)
         elif T <= 64:  # verify-sized steps: K shifted multiply-adds beat oneDNN's small-conv setup (~0.15 ms)
             weight = self.conv1d.weight[:, 0]  # (C, K)
@@ -147,13 +153,17 @@ class GatedDeltaNet(nn.Module):
         rep = Hv // self.num_k_heads
         q = l2norm(q.reshape(B, T, -1, Dk)) * Dk**-0.5
         k = l2norm(k.reshape(B, T, -1, Dk))
+        q_heads, k_heads = q, k  # (B, T, Hk, Dk), before repetition to the value heads
         if rep > 1:  # key head j serves value heads [j * rep, (j + 1) * rep)
             Hk = self.num_k_heads
             q = q[:, :, :, None].expand(B, T, Hk, rep, Dk).reshape(B, T, Hv, Dk)
             k = k[:, :, :, None].expand(B, T, Hk, rep, Dk).reshape(B, T, Hv, Dk)
         v = v.reshape(B, T, Hv, Dv)  # (B, T, Hv, Dv)
 
-        if T > self.SEQUENTIAL_MAX_T:
+        if gdn_backend.delta_rule_backend(x.device) == "fla":  # CUDA, when flash-linear-attention imports
+            core, state = gdn_backend.fla_delta_rule(q_heads, k_heads, v, log_decay, beta, recurrent)
+            core = core.to(x.dtype)  # (B, T, Hv, Dv)
+        elif T > self.SEQUENTIAL_MAX_T:
             core, state = delta_rule_chunked(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              log_decay.transpose(1, 2), beta.transpose(1, 2), recurrent)
             core = core.transpose(1, 2).to(x.dtype)  # (B, T, Hv, Dv)

@@ -13,9 +13,16 @@ Notable features
   with different committed lengths and different numbers of new tokens
   (padding is internal and never reaches a state), `commit(states, num_keep)`.
   New positions are pending until committed; see `target_state.py`.
-- Decode fast path: one request -> attention reads its K/V buffer in place
-  (no copy, no mask for T == 1); batches copy the committed K/V once per step
-  into one padded buffer for all layers. Attention is torch SDPA with GQA.
+- Full-attention K/V, two layouts (EngineConfig.target_kv_layout):
+  paged (default): every request's K/V lives in blocks of the replica's
+  preallocated `PagedKVPool`; a step writes only its new rows there. On CUDA
+  attention reads the pool in place (flash-attn with a block table, else the
+  project's Triton kernel: `kernels/paged_attention.py`); on CPU a torch path
+  gathers each layer's keys transiently (counted by the pool) and runs SDPA
+  with the same mask as the contiguous layout, so both give the same bits.
+  contiguous (the original): one request -> attention reads its K/V buffer in
+  place (no copy, no mask for T == 1); batches copy the committed K/V once per
+  step into one padded buffer for all layers. Attention is torch SDPA with GQA.
 - Feature taps: hidden state after layer i (before the final norm) for every
   new position, `[B, T, F, H]`.
 - Built on `meta` and loaded with `load_state_dict(assign=True)` by
@@ -27,7 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspine import faults
+
 from .gated_deltanet import GatedDeltaNet, delta_rule_replay
+from .paged_kv_pool import PagedKVPool
 from .target_config import FULL, TARGET_CONFIGS, TargetArgs
 from .target_state import ReplayInputs, StepOutput, TargetState
 
@@ -71,6 +81,20 @@ class _StepContext:
         self.key_len = key_len  # keys [0, key_len) are read
         self.mask = mask  # (B, 1, T, key_len) bool, or None (single request, T == 1)
         self.uniform_start = uniform_start  # all requests have the same committed length
+        self.paged: _PagedContext | None = None  # paged layout, else None (contiguous / stateless)
+
+
+class _PagedContext:
+    """Paged layout: where this step's new rows go and how attention reads the pool."""
+
+    def __init__(self, pool, new_slots, valid, block_table, starts, read_slots, backend):
+        self.pool = pool
+        self.new_slots = new_slots  # [N] int64 flat slots of the valid new rows, (b, t) row-major
+        self.valid = valid  # [B, T] bool, or None (every row is real)
+        self.block_table = block_table  # [B, W] int32, padded with the sink block
+        self.starts = starts  # [B] int32 committed length per request (device)
+        self.read_slots = read_slots  # [B, key_len] int64 for the CPU gather, or None (in-place kernels)
+        self.backend = backend  # "torch" | "triton" | "flash"
 
 
 class Attention(nn.Module):
@@ -99,6 +123,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
 
+        if ctx.paged is not None:
+            return self._paged(q, k, v, ctx, idx, gate if self.gated else None)
         if ctx.k_buf is None:  # stateless (training): the keys are exactly the new tokens
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
             return self._output(y, gate if self.gated else None)
@@ -114,6 +140,30 @@ class Attention(nn.Module):
         keys, values = k_buf[:, :, : ctx.key_len], v_buf[:, :, : ctx.key_len]  # (B, Hkv, S, D)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=self.n_kv != self.n_head)
         return self._output(y, gate if self.gated else None)
+
+    def _paged(self, q, k, v, ctx: "_StepContext", idx: int, gate):
+        """q (B, Hq, T, D); k, v (B, Hkv, T, D): store the new rows in the pool, attend over it."""
+        B, _, T, D = q.shape
+        p = ctx.paged
+        k_rows, v_rows = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, Hkv, D)
+        slots = p.new_slots
+        if p.valid is None or faults.active("paged_kv.write_padded_rows"):
+            k_rows, v_rows = k_rows.reshape(B * T, self.n_kv, D), v_rows.reshape(B * T, self.n_kv, D)
+            if p.valid is not None:
+                slots = p.pool.slots(p.block_table, ctx.positions).reshape(-1)
+        else:  # padded rows never reach the pool
+            k_rows, v_rows = k_rows[p.valid], v_rows[p.valid]
+        p.pool.write(idx, slots, k_rows, v_rows)
+        if p.read_slots is not None:  # CPU: transient gather, then exactly the contiguous layout's SDPA
+            keys, values = p.pool.gather(idx, p.read_slots)  # (B, Hkv, key_len, D)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask,
+                                               enable_gqa=self.n_kv != self.n_head)
+        else:  # CUDA: the pool is read in place
+            from dspine.kernels.paged_attention import paged_attention
+
+            y = paged_attention(q.transpose(1, 2), p.pool.layer_k(idx), p.pool.layer_v(idx), p.block_table,
+                                p.starts, D**-0.5, backend=p.backend).transpose(1, 2)
+        return self._output(y, gate)
 
     def _output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         B, _, T, D = y.size()  # (B, Hq, T, D)
@@ -157,6 +207,9 @@ class TargetModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centred_norm)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # K/V bytes the contiguous layout copies per step (the padded batch buffer and the copy back
+        # into each request's buffer); the paged layout never adds to it. Benches and tests read it.
+        self.kv_copy_bytes = 0
 
     def _inv_freq(self, device=None) -> torch.Tensor:
         R = self.args.rotary_dim
@@ -175,13 +228,27 @@ class TargetModel(nn.Module):
         return cls(TargetArgs.from_name(name))
 
     # ------------------------------------------------------------------ state
-    def new_state(self, device=None, dtype=None) -> TargetState:
-        """An empty state for one request (K/V and conv state in `dtype`, recurrent state in fp32)."""
+    def new_kv_pool(self, num_blocks: int, block_size: int = 16, device=None, dtype=None) -> PagedKVPool:
+        """A paged K/V pool shaped for this model's full-attention layers."""
+        a = self.args
+        return PagedKVPool(len(a.full_layer_ids), a.num_kv_heads, a.head_dim, num_blocks, block_size,
+                           device=device or self.embed_tokens.weight.device,
+                           dtype=dtype or self.embed_tokens.weight.dtype)
+
+    def new_state(self, device=None, dtype=None, kv_pool: PagedKVPool | None = None, request_id=None) -> TargetState:
+        """An empty state for one request (K/V and conv state in `dtype`, recurrent state in fp32).
+        With `kv_pool` the full-attention K/V go to the request's blocks there (key `request_id`),
+        else to per-request contiguous buffers."""
         a = self.args
         device = device or self.embed_tokens.weight.device
         dtype = dtype or self.embed_tokens.weight.dtype
         s = TargetState()
-        if a.full_layer_ids:
+        if a.full_layer_ids and kv_pool is not None:
+            if request_id is None:
+                raise ValueError("new_state: a paged state needs a request_id")
+            kv_pool.alloc_request(request_id)
+            s.kv_pool, s.kv_id = kv_pool, request_id
+        elif a.full_layer_ids:
             shape = (len(a.full_layer_ids), a.num_kv_heads, 0, a.head_dim)
             s.k_cache = torch.empty(shape, device=device, dtype=dtype)
             s.v_cache = torch.empty(shape, device=device, dtype=dtype)
@@ -240,7 +307,11 @@ class TargetModel(nn.Module):
         ctx = None
         if a.full_layer_ids and stateless:
             ctx = _StepContext(cos, sin, None, None, starts, positions, T, None, uniform_start=True)
+        elif a.full_layer_ids and states[0].kv_pool is not None:
+            ctx = self._paged_context(states, starts, lens, positions, valid, T, cos, sin)
         elif a.full_layer_ids:
+            if any(s.kv_pool is not None for s in states):
+                raise ValueError("forward_step: paged and contiguous states cannot share a batch")
             key_len = max(starts) + T
             if B == 1:  # in place in the request's own buffers
                 states[0].ensure_capacity(key_len)
@@ -252,6 +323,7 @@ class TargetModel(nn.Module):
                 for b, s in enumerate(states):
                     k_buf[:, b, :, : starts[b]] = s.k_cache[:, :, : starts[b]]
                     v_buf[:, b, :, : starts[b]] = s.v_cache[:, :, : starts[b]]
+                self.kv_copy_bytes += 2 * k_buf.numel() * k_buf.element_size()
             mask = None
             if B > 1 or T > 1:
                 mask = (torch.arange(key_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
@@ -287,12 +359,13 @@ class TargetModel(nn.Module):
         if stateless:
             return StepOutput(logits=logits, features=features, num_new=lens)
         # ---- hand the pending positions to each request's state
-        if a.full_layer_ids and B > 1:
+        if a.full_layer_ids and B > 1 and ctx.paged is None:
             for b, s in enumerate(states):
                 n, t = starts[b], lens[b]
                 s.ensure_capacity(n + t)
                 s.k_cache[:, :, n : n + t] = k_buf[:, b, :, n : n + t]
                 s.v_cache[:, :, n : n + t] = v_buf[:, b, :, n : n + t]
+                self.kv_copy_bytes += 2 * s.k_cache[:, :, n : n + t].numel() * k_buf.element_size()
         if a.linear_layer_ids:
             new_conv, new_rec = torch.stack(new_conv, dim=1), torch.stack(new_rec, dim=1)  # (B, Ll, ...)
             if keep_inputs:
@@ -334,6 +407,36 @@ class TargetModel(nn.Module):
         for s, k in zip(states, num_keep):
             s.num_tokens += k
             s.clear_pending()
+            if s.kv_pool is not None:  # rejected rows: only the length rewinds; whole blocks past it go back
+                s.kv_pool.truncate(s.kv_id, s.num_tokens)
+
+    def _paged_context(self, states, starts, lens, positions, valid, T, cos, sin) -> _StepContext:
+        """Reserve blocks for the new rows (all or nothing) and say where they go; no K/V is copied."""
+        from dspine.kernels.paged_attention import paged_backend
+
+        pool = states[0].kv_pool
+        if any(s.kv_pool is not pool for s in states):
+            raise ValueError("forward_step: every state of a batch must use the same K/V pool")
+        B, device = len(states), positions.device
+        ids = [s.kv_id for s in states]
+        pool.reserve_many(ids, [n + t for n, t in zip(starts, lens)])
+        key_len = max(starts) + T
+        table = pool.block_table(ids, pool.blocks_needed(key_len))  # (B, W)
+        new_slots = pool.slots(table, positions)  # (B, T)
+        new_slots = new_slots.reshape(-1) if valid is None else new_slots[valid]
+        if faults.active("paged_kv.slot_off_by_one"):
+            new_slots = new_slots + 1
+        backend = paged_backend(device, pool.block_size)
+        read_slots = None
+        if backend == "torch":
+            read_slots = pool.slots(table, torch.arange(key_len, device=device).expand(B, key_len))
+        mask = None
+        if B > 1 or T > 1:  # the contiguous layout's mask, so the CPU path gives the same bits
+            mask = (torch.arange(key_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+        ctx = _StepContext(cos, sin, None, None, starts, positions, key_len, mask, uniform_start=len(set(starts)) == 1)
+        starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
+        ctx.paged = _PagedContext(pool, new_slots, valid, table, starts_t, read_slots, backend)
+        return ctx
 
     def _replay(self, states: list[TargetState], ks: list[int]) -> None:
         """Recurrent state after the first k pending positions, one batched replay (padded steps are no-ops)."""

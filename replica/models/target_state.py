@@ -4,9 +4,13 @@
   Committed positions [0, num_tokens) are final; a `forward_step` adds
   `num_pending` positions on top, which `TargetModel.commit()` then keeps in
   part (the first k) and drops in part.
-- Full-attention layers: K/V in per-request buffers `[Lf, Hkv, capacity, D]`,
-  grown by doubling. Pending K/V are written at [num_tokens, num_tokens + T);
-  dropping them only means not advancing `num_tokens` (later writes overwrite).
+- Full-attention layers, one of two layouts:
+  paged (`kv_pool` set): the request's blocks in the replica's `PagedKVPool`
+  (`paged_kv_pool.py`), addressed by `kv_id`; contiguous (the original
+  layout, kept selectable): per-request buffers `[Lf, Hkv, capacity, D]`,
+  grown by doubling. Either way pending K/V are written at [num_tokens,
+  num_tokens + T); dropping them only means not advancing `num_tokens` (later
+  writes overwrite; the paged layout also gives back blocks wholly past it).
 - Gated DeltaNet layers: committed conv state `[Ll, C, K-1]` and recurrent
   state `[Ll, Hv, Dk, Dv]` (always fp32) are never touched by a step. The
   step leaves beside them the state after all its tokens (`pending_conv`,
@@ -41,6 +45,8 @@ class TargetState:
     num_pending: int = 0  # positions added by the last forward_step, not yet committed
     k_cache: torch.Tensor | None = None  # [Lf, Hkv, capacity, D]
     v_cache: torch.Tensor | None = None  # [Lf, Hkv, capacity, D]
+    kv_pool: object | None = None  # PagedKVPool holding this request's K/V blocks (paged layout)
+    kv_id: object | None = None  # the request's key in kv_pool
     conv_state: torch.Tensor | None = None  # [Ll, C, K-1] committed (model dtype)
     recurrent: torch.Tensor | None = None  # [Ll, Hv, Dk, Dv] committed (fp32)
     pending_conv: torch.Tensor | None = None  # [Ll, C, K-1] after all pending positions
@@ -70,6 +76,9 @@ class TargetState:
     def release(self) -> None:
         """Drop every tensor; the state must not be used afterwards."""
         self.clear_pending()
+        if self.kv_pool is not None:
+            self.kv_pool.free_request(self.kv_id)
+            self.kv_pool = None
         self.k_cache = self.v_cache = self.conv_state = self.recurrent = None
         self.num_tokens = 0
 

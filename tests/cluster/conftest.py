@@ -99,7 +99,7 @@ def plain_tokenizer(tmp_path_factory):
 
 
 def idle(engine) -> bool:
-    return engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    return engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 class StepGate:

@@ -41,7 +41,7 @@ def test_chunked_prefill_output_identical_to_unchunked(build, preset, speculativ
     want = whole.generate_many(prompts, GREEDY, speculative=speculative)
     for prompt, a, b in zip(prompts, got, want):
         assert a.token_ids == b.token_ids == reference_generate(target, prompt, GREEDY.max_new_tokens)
-    assert chunked.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert chunked.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 def _steps_until_first_token(engine, long_id, short_id):
@@ -101,7 +101,7 @@ def test_prefill_activation_peak_is_bounded_by_the_chunk(build, hybrid_target):
         for n in (512, 1024):
             engine = build.engine(hybrid_target, with_drafter=False, prefill_chunk_tokens=chunk, max_seq_len=2048)
             peaks[chunk, n] = _prefill_peak(engine, _prompts(512, [n])[0])
-    assert peaks[4096, 1024] > 1.8 * peaks[4096, 512]  # unchunked: grows with the prompt
+    assert peaks[4096, 1024] > 1.5 * peaks[4096, 512]  # unchunked: grows with the prompt
     assert peaks[64, 1024] < 1.3 * peaks[64, 512]  # chunked: the chunk's (plus the K/V it keeps)
     assert peaks[64, 1024] < peaks[4096, 1024] / 3
 

@@ -12,7 +12,7 @@ from dspine.replica import EngineFullError, InvalidRequestError, NoDrafterError,
 from dspine.replica.reference import reference_generate
 
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-IDLE = {"requests": 0, "target_states": 0, "draft_slots": 0}
+IDLE = {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:

@@ -35,7 +35,7 @@ def test_speculative_greedy_equals_reference(build, preset, batch, verify_thresh
         assert result.token_ids == expected
         assert result.finish_reason == "length"
         assert result.stats.spec.num_cycles >= 1
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 def test_target_only_greedy_equals_reference(build, hybrid_target):
@@ -125,7 +125,7 @@ def test_dynamic_verification_with_ragged_lengths(build, preset):
         verified_lengths |= {n for n, count in enumerate(spec.accepted_len_histogram) if count}
     assert len(verified_lengths) >= 3  # the threshold really cut blocks at different lengths
     assert max(verified_lengths) < 15
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 # ------------------------------------------------- a drafter with real, partial acceptance
@@ -174,7 +174,7 @@ def _distilled_run(preset, prompts, verification, draft_pool="dense", retrieval=
         expected = [r.token_ids for r in engine.generate_many(prompts, params, speculative=False)]
     for result, want in zip(results, expected):
         assert result.token_ids == want
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
     return cycles, engine
 
 

@@ -40,7 +40,8 @@ def _run_two(engine, prompts):
 
 def test_a_request_that_does_not_fit_waits_until_memory_frees(build, hybrid_target):
     # 60 draft slots; each request reserves 20 + 20 = 40 of them
-    engine = build.engine(hybrid_target, draft_pool_tokens=61, max_concurrency=4)
+    # the contiguous K/V layout: the target side unbounded (no target_kv_tokens), so only the draft pool waits
+    engine = build.engine(hybrid_target, draft_pool_tokens=61, max_concurrency=4, target_kv_layout="contiguous")
     assert engine.load().free_draft_tokens == 60 and engine.load().free_target_tokens is None
     prompts = _prompts([20, 20])
     outputs, first_step, waiting = _run_two(engine, prompts)
@@ -48,7 +49,7 @@ def test_a_request_that_does_not_fit_waits_until_memory_frees(build, hybrid_targ
     assert first_step[1] > first_step[0] + 1  # it started only after the first one finished
     for prompt, output in zip(prompts, outputs):
         assert output == reference_generate(hybrid_target, prompt, PARAMS.max_new_tokens)
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
     assert engine.admission.reserved_tokens() == {"target K/V": 0, "draft KV pool": 0}
     assert engine.load().free_draft_tokens == 60
 
@@ -73,7 +74,7 @@ def test_refuse_mode_names_the_pool(build, hybrid_target):
 
 
 def test_a_request_larger_than_a_pool_is_refused_at_add_time(build, hybrid_target):
-    engine = build.engine(hybrid_target, draft_pool_tokens=61, target_kv_tokens=100)
+    engine = build.engine(hybrid_target, draft_pool_tokens=61, target_kv_tokens=100, target_kv_layout="contiguous")
     long = _prompts([50])[0]  # 50 + 20 = 70 > 60 draft slots
     with pytest.raises(RequestTooLargeError, match="draft KV pool can never hold") as err:
         engine.add_request(long, PARAMS, speculative=True)
@@ -84,6 +85,21 @@ def test_a_request_larger_than_a_pool_is_refused_at_add_time(build, hybrid_targe
     engine.add_request(long, PARAMS, speculative=False)
     assert engine.load().free_target_tokens == 30
     engine.shutdown(drain=False)
+
+
+def test_the_paged_pool_is_the_target_side_of_admission(build, hybrid_target):
+    """With the paged K/V layout (the default) admission reserves whole blocks of the pool itself,
+    verify rows included: target_kv_tokens=100 sizes it to 7 blocks of 16 (+ the sink)."""
+    engine = build.engine(hybrid_target, target_kv_tokens=100)
+    pool = engine.runner.target_kv_pool
+    assert (pool.num_blocks, pool.block_size) == (8, 16) and engine.load().free_target_tokens == 112
+    with pytest.raises(RequestTooLargeError, match="target K/V can never hold"):
+        engine.add_request(_prompts([80])[0], PARAMS, speculative=True)  # 80 + 20 + 15 rows -> 128 > 112
+    engine.add_request(_prompts([50])[0], PARAMS, speculative=True)  # 50 + 20 + 15 -> 6 blocks
+    assert engine.load().free_target_tokens == 112 - 96
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load().free_target_tokens == 112 and pool.num_free_blocks == 7
 
 
 @pytest.mark.parametrize("pool", ["dense", "ring"])
@@ -100,7 +116,7 @@ def test_draft_pool_running_out_never_fails_an_admitted_request(build, hybrid_ta
         assert result.token_ids == reference_generate(hybrid_target, prompt, params.max_new_tokens)
     assert engine.stats.num_failed == 0
     assert engine.stats.num_draft_demoted >= 1  # it did run out
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
     with faults.inject("runner.no_draft_pool_fallback"):
         failed = engine.generate_many(prompts, params, speculative=True)
     assert any(r.finish_reason == "error" for r in failed)  # the bug the fallback prevents
@@ -115,7 +131,9 @@ def test_capacity_adapters_speak_the_interface():
 
     paged = PagedKvCapacity(Paged())
     assert isinstance(paged, KvCapacity) and isinstance(TargetTokenCapacity(None), KvCapacity)
-    assert (paged.capacity_tokens(), paged.tokens_for(17), paged.free_tokens()) == (160, 32, 64)
+    # block 0 is the pool's padding sink: 9 blocks hold requests
+    assert (paged.capacity_tokens(), paged.tokens_for(17), paged.free_tokens()) == (144, 32, 64)
+    assert PagedKvCapacity(Paged(), verify_rows=15).tokens_for(18) == 48  # 18 + 15 rows -> 3 blocks
 
     class Ring:
         capacity, num_free, window = 100, 40, 8

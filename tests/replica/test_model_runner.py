@@ -56,7 +56,7 @@ def test_a_mixed_step_runs_one_target_forward(build, preset):
     decode_steps = [c for c in counts[1:-1]]  # step 0 prefills all six (one forward)
     assert counts[0] == 1
     assert decode_steps and max(decode_steps) == 1, counts
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 def test_riders_sample_as_they_would_alone(build, hybrid_target):
@@ -95,4 +95,4 @@ def test_a_rider_that_fails_is_ended_alone(build, hybrid_target):
     assert finish == {"a": "length", "doomed": "error", "b": "length"}
     assert out["a"] == reference_generate(hybrid_target, prompts[0], GREEDY.max_new_tokens)
     assert out["b"] == reference_generate(hybrid_target, prompts[2], GREEDY.max_new_tokens)
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}

@@ -33,7 +33,7 @@ def _run(max_concurrency: int, speculative: bool, params: list[SamplingParams], 
         device="cpu", dtype="float32", retrieval="exact", max_concurrency=max_concurrency,
         adaptive_speculation=False))
     results = engine.generate_many(prompts, params, speculative=speculative)
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
     return results
 
 

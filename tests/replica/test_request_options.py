@@ -180,7 +180,7 @@ def test_greedy_with_penalties_on_the_distilled_pair(batch):
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
     cycles = [(r.stats.spec.num_cycles, r.stats.spec.num_accepted_tokens) for r in on]
     assert sum(a for _, a in cycles) > sum(c for c, _ in cycles)  # more than one accepted row per cycle
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 # ------------------------------------------------------------------------------------- logprobs

@@ -124,7 +124,7 @@ def test_an_always_wrong_drafter_stops_drafting_after_warm_up(hybrid_target):
     assert 0 < share < 0.1, share  # apart from probes, target-only
     policy = engine.scheduler.policy
     assert policy.num_decode_steps == len(decode_steps)
-    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0}
+    assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
 
 def test_a_perfect_drafter_gets_every_row_verified(hybrid_target):

@@ -18,7 +18,7 @@ import torch
 from dspine.replica import EngineFullError, SamplingParams
 from dspine.replica.reference import reference_generate
 
-IDLE = {"requests": 0, "target_states": 0, "draft_slots": 0}
+IDLE = {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 # Long enough that a request nobody cancels is still running when the test looks.
 LONG = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
