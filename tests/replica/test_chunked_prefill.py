@@ -99,9 +99,13 @@ def test_prefill_activation_peak_is_bounded_by_the_chunk(build, hybrid_target):
     peaks = {}
     for chunk in (64, 4096):
         for n in (512, 1024):
-            engine = build.engine(hybrid_target, with_drafter=False, prefill_chunk_tokens=chunk, max_seq_len=2048)
+            # contiguous K/V: the paged layout's CPU attention also gathers the context so far per
+            # layer (the pool counts those bytes apart, and CUDA reads the pool in place), which
+            # grows with the prompt and would blur the chunk's own bound measured here
+            engine = build.engine(hybrid_target, with_drafter=False, prefill_chunk_tokens=chunk, max_seq_len=2048,
+                                  target_kv_layout="contiguous")
             peaks[chunk, n] = _prefill_peak(engine, _prompts(512, [n])[0])
-    assert peaks[4096, 1024] > 1.5 * peaks[4096, 512]  # unchunked: grows with the prompt
+    assert peaks[4096, 1024] > 1.8 * peaks[4096, 512]  # unchunked: grows with the prompt
     assert peaks[64, 1024] < 1.3 * peaks[64, 512]  # chunked: the chunk's (plus the K/V it keeps)
     assert peaks[64, 1024] < peaks[4096, 1024] / 3
 

@@ -126,8 +126,9 @@ def test_engine_samples_follow_the_target(real_runs, name):
     # the case exercises what it is named for
     accepted = collections.Counter(a for _, a in run.cycles)
     # the policy drafts only where it pays, and how often depends on this machine's timings:
-    # far fewer cycles (646 and 1,080 in two runs)
-    scale = 25 if CASES[name].adaptive else 1
+    # far fewer cycles (646 and 1,080 in two runs; 84 since target-only requests ride in the
+    # verify forward, which makes a target-only step cheaper to choose)
+    scale = 100 if CASES[name].adaptive else 1
     # Gumbel mode accepts about 2.9 rows per cycle (the drafter proposes with the target's noise): fewer cycles
     assert len(run.cycles) > (3_000 if CASES[name].params.reproducible else 6_000) // scale
     assert sum(a for _, a in run.cycles) / len(run.cycles) > CASES[name].min_mean_accepted  # substantial acceptance
