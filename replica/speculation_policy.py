@@ -39,9 +39,7 @@ _COST_DECAY = 0.9
 _ACCEPT_DECAY = 0.95
 _PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide profile in a request's estimate
 _FIRST_PROBE_INTERVAL = 4
-_MAX_PROBE_INTERVAL = 64  # of the doubling
-_PROBE_BUDGET = 0.02  # share of decode time probes may lose
-_MAX_BUDGET_PROBE_INTERVAL = 256
+_MAX_PROBE_INTERVAL = 64
 # Rows a probe verifies per request. Greedy acceptance comes in runs (on the embedded pair a
 # fully accepted block is followed by another 90% of the time, by 3.5% otherwise), and a probe
 # that stops at row 4 cannot see the run that makes drafting pay: 8 greedy requests in flight
@@ -239,28 +237,13 @@ class SpeculationPolicy:
             return self._drafting(StepPlan(rows))
         self._steps_without_draft += 1
         if self._steps_without_draft >= self._probe_interval:
+            self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
             oldest = sorted((r for r, m in candidates.items() if m > 0), key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS["sampled" if r in sampled else "greedy"])
                      for r in oldest[:_PROBE_REQUESTS]}
-            self._probe_interval = self._next_probe_interval(probe, len(candidates) + num_target_only)
             return self._drafting(StepPlan(probe, is_probe=True))
         return StepPlan({})
-
-    def _next_probe_interval(self, probe: dict[str, int], batch: int) -> int:
-        """Steps until the next probe: twice the last interval (up to 64), and at least enough that
-        probes cost at most ``_PROBE_BUDGET`` of the decode time. A probe's expected loss is its
-        predicted step time less a target-only step's, less the tokens its rows are expected to
-        add (valued at a target-only step's seconds per token); with 8 requests in flight on a CPU
-        a whole-block probe loses about two target steps, which doubling alone would spend on 5
-        probes in the first 128 steps."""
-        target_only = self.costs.step_seconds(0, 0, batch)
-        probing = self.costs.step_seconds(len(probe), len(probe) + sum(probe.values()), batch - len(probe))
-        gain = sum(sum(self.profile(r).gains(rows)) for r, rows in probe.items())
-        loss = probing - target_only * (1.0 + gain / batch)
-        budget_interval = loss / (_PROBE_BUDGET * target_only) if target_only > 0 and loss > 0 else 0.0
-        doubled = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
-        return int(min(_MAX_BUDGET_PROBE_INTERVAL, max(doubled, budget_interval)))
 
     def _drafting(self, plan: StepPlan) -> StepPlan:
         for request_id in plan.draft_rows:
