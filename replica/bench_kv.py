@@ -23,25 +23,10 @@ import torch
 
 from .config import EngineConfig
 from .device_thread import DeviceThread
-from .engine import Engine
+from .engine import Engine, load_models
 from .sampling import SamplingParams
 
 LAYOUTS = ("contiguous", "paged")
-
-
-def _load(target_dir, draft_dir, config: EngineConfig, device_thread: DeviceThread):
-    from .models.dspine_checkpoint import load_drafter
-    from .models.loader import load_target
-
-    def load():
-        target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
-        drafter = None
-        if draft_dir is not None:
-            drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
-                                   device=config.torch_device, dtype=config.torch_draft_dtype)
-        return target, drafter
-
-    return device_thread.call(load)
 
 
 def _decode_pair(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams,
@@ -105,7 +90,7 @@ def bench_kv_layouts(target_dir: str | Path | None = None, draft_dir: str | Path
             from dspine import embedded
 
             target_dir, draft_dir = embedded.TARGET_DIR, draft_dir or embedded.DRAFT_DIR
-        models = _load(target_dir, draft_dir, EngineConfig(**base), device_thread)
+        models = load_models(target_dir, draft_dir, EngineConfig(**base), device_thread)
     target, drafter = models
     engines = {layout: Engine(target, drafter, None, EngineConfig(**base, target_kv_layout=layout), device_thread)
                for layout in LAYOUTS}

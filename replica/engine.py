@@ -115,6 +115,23 @@ def _precheck_memory_plan(target_dir, draft_dir, config: EngineConfig) -> None:
     _check_memory_plan(target_args, draft_args, config, config.max_seq_len or target_args.max_position_embeddings)
 
 
+def load_models(target_dir, draft_dir, config: EngineConfig, device_thread: DeviceThread):
+    """``(target, drafter or None)`` loaded on ``device_thread`` (where the engine will run them)."""
+    from .models.loader import load_target
+
+    def load():
+        target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
+        drafter = None
+        if draft_dir is not None:
+            from .models.dspine_checkpoint import load_drafter
+
+            drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
+                                   device=config.torch_device, dtype=config.torch_draft_dtype)
+        return target, drafter
+
+    return device_thread.call(load)
+
+
 class Engine:
     """Target-plus-DSpine engine for one device. Thread-safe; at most ``max_concurrency`` requests."""
 
@@ -163,23 +180,12 @@ class Engine:
     def from_pretrained(cls, target_dir: str | Path, draft_dir: str | Path | None = None,
                         config: EngineConfig = EngineConfig()) -> "Engine":
         """Load an HF-format target directory and optionally a DSpine draft directory."""
-        from .models.loader import load_target
         from .tokenizer import Tokenizer
 
         _precheck_memory_plan(target_dir, draft_dir, config)  # before any weight is loaded
 
-        def load():
-            target = load_target(target_dir, device=config.torch_device, dtype=config.torch_dtype)
-            drafter = None
-            if draft_dir is not None:
-                from .models.dspine_checkpoint import load_drafter
-
-                drafter = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight,
-                                       device=config.torch_device, dtype=config.torch_draft_dtype)
-            return target, drafter
-
         device_thread = DeviceThread(num_threads=config.num_threads)
-        target, drafter = device_thread.call(load)
+        target, drafter = load_models(target_dir, draft_dir, config, device_thread)
         tokenizer = Tokenizer.from_dir(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
         return cls(target, drafter, tokenizer, config, device_thread)
 
