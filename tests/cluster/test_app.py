@@ -156,7 +156,10 @@ def test_unary_and_model_info_through_the_ingress(cluster, reference_engine):
         assert (info.max_concurrency, info.has_drafter, info.block_size) == (8, True, 16)
         result = client.generate(PROMPTS[0], max_new_tokens=32, speculative=True)
         assert result.token_ids == _greedy(reference_engine, PROMPTS[0], 32)
-        assert result.speculation.speculative and result.speculation.cycles > 0
+        # speculative; how many cycles the adaptive policy runs depends on this machine's timings
+        # (on a loaded 2-core CI machine it may decode a short request target-only throughout)
+        spec = result.speculation
+        assert spec.speculative and sum(spec.accepted_len_histogram) == spec.cycles
         ids = client.tokenize("import os")
         assert client.detokenize(ids) == "import os"
 
