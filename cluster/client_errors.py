@@ -11,6 +11,8 @@ import re
 
 import grpc
 
+from dspine.protos.metadata import FIELD_METADATA_KEY
+
 __all__ = [
     "DSpineClientError",
     "InvalidArgument",
@@ -24,7 +26,6 @@ __all__ = [
     "from_rpc_error",
 ]
 
-FIELD_METADATA_KEY = "dspine-field"  # same key as dspine.cluster.errors (which needs the engine to import)
 
 
 class DSpineClientError(Exception):

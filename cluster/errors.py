@@ -31,6 +31,7 @@ import logging
 
 import grpc
 
+from dspine.protos.metadata import FIELD_METADATA_KEY
 from dspine.replica.errors import (
     EngineFullError,
     EngineStoppedError,
@@ -38,10 +39,9 @@ from dspine.replica.errors import (
     NoDrafterError,
     PoolExhaustedError,
     RequestCancelledError,
+    DraftPoolExhausted,
     RequestFailedError,
 )
-
-from dspine.replica.draft_kv_pool import DraftPoolExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ class ReplicaLostError(Exception):
     """The replica serving a request died; the request cannot be resumed (-> UNAVAILABLE)."""
 
 
-FIELD_METADATA_KEY = "dspine-field"
 
 # Checked in order: subclasses before their bases.
 _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (

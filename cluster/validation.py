@@ -53,6 +53,7 @@ from pydantic import (
 
 from dspine.replica.errors import InvalidRequestError, NoDrafterError
 from dspine.replica.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from dspine.replica.request_rules import prompt_length_problem, seed_problem, token_id_problem, token_ids_problem
 
 _MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is simply banned; a bound keeps it finite
 _MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -72,7 +73,6 @@ __all__ = [
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
-_MAX_SEED = 2**64
 _MAX_TOP_K = 2**31
 
 
@@ -123,8 +123,8 @@ def _limits(info: ValidationInfo) -> ValidationLimits:
 
 
 def _check_token_id(value: int, limits: ValidationLimits) -> None:
-    if not 0 <= value < limits.vocab_size:
-        raise ValueError(f"{value} is not a token id in [0, {limits.vocab_size})")
+    if (problem := token_id_problem(value, limits.vocab_size)) is not None:
+        raise ValueError(problem)
 
 
 class SamplingInput(BaseModel):
@@ -225,8 +225,8 @@ class SamplingInput(BaseModel):
     @field_validator("seed")
     @classmethod
     def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v < _MAX_SEED:
-            raise ValueError(f"must be in [0, 2**64), got {v}")
+        if v is not None and (problem := seed_problem(v)) is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("max_new_tokens")
@@ -305,11 +305,10 @@ class GenerateInput(BaseModel):
         if v is not None:
             if not v:
                 raise ValueError("must not be empty")
-            if len(v) >= limits.max_context:
-                raise ValueError(f"prompt has {len(v)} tokens; the context of this server is {limits.max_context}")
-            for i, token in enumerate(v):
-                if not 0 <= token < limits.vocab_size:
-                    raise ValueError(f"element {i} = {token} is not a token id in [0, {limits.vocab_size})")
+            if (too_long := prompt_length_problem(len(v), limits.max_context)) is not None:
+                raise ValueError(too_long)
+            if (bad := token_ids_problem(v, limits.vocab_size)) is not None:
+                raise ValueError(f"element {bad[0]}: {bad[1]}")
         return v
 
     @field_validator("messages")
@@ -368,9 +367,8 @@ def validate_token_ids(ids, limits: ValidationLimits, field: str = "token_ids", 
     ids = list(ids)
     if not ids and not allow_empty:
         raise InvalidRequestError(field, "must not be empty")
-    for i, token in enumerate(ids):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limits.vocab_size:
-            raise InvalidRequestError(f"{field}[{i}]", f"{token!r} is not a token id in [0, {limits.vocab_size})")
+    if (bad := token_ids_problem(ids, limits.vocab_size)) is not None:
+        raise InvalidRequestError(f"{field}[{bad[0]}]", bad[1])
     return ids
 
 
@@ -442,13 +440,10 @@ def prepare_generate(request: GenerateInput, limits: ValidationLimits, tokenizer
         field, ids = "token_ids", list(request.token_ids)
     if not ids:
         raise InvalidRequestError(field, "encodes to no tokens")
-    if len(ids) >= limits.max_context:
-        raise InvalidRequestError(
-            field, f"prompt has {len(ids)} tokens; the context of this server is {limits.max_context} "
-                   "(prompt and output together)")
-    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:  # a tokenizer larger than the model's vocabulary
-        raise InvalidRequestError(field, f"encodes to token {bad}, outside the model's vocabulary {limits.vocab_size}")
+    if (too_long := prompt_length_problem(len(ids), limits.max_context)) is not None:
+        raise InvalidRequestError(field, too_long)
+    if (bad := token_ids_problem(ids, limits.vocab_size)) is not None:  # a tokenizer larger than the model's vocabulary
+        raise InvalidRequestError(field, f"encodes to element {bad[0]}: {bad[1]}")
 
     s = request.sampling
     fields = {

@@ -33,25 +33,12 @@ from typing import Hashable, Sequence
 
 import torch
 
-from dspine.replica.errors import DSpineError
+from dspine.replica.errors import DraftPoolExhausted  # noqa: F401  (raised here; importable from here as before)
 from dspine.replica.models.dspine_config import DraftArgs
 
 logger = logging.getLogger(__name__)
 
 PADDING_SLOT = 0  # reserved padding sink, never allocated
-
-
-class DraftPoolExhausted(DSpineError, RuntimeError):
-    """Not enough free draft K/V slots (-> RESOURCE_EXHAUSTED at the edge)."""
-
-    def __init__(self, requested: int, free: int, capacity: int):
-        super().__init__(
-            f"draft KV pool exhausted: {requested} slots requested, {free} free of {capacity}; "
-            "finish or cancel requests, or size the pool larger"
-        )
-        self.requested = requested
-        self.free = free
-        self.capacity = capacity
 
 
 class _Seq:

@@ -33,6 +33,7 @@ from .errors import EngineStoppedError, InvalidRequestError, NoDrafterError
 from .memory_plan import MemoryPlan, MemoryPlanError, draft_pool_slots, plan_for_engine
 from .model_runner import ModelRunner
 from .request import Request
+from .request_rules import prompt_length_problem, token_id_problem, token_ids_problem
 from .sampling import SamplingParams
 from .scheduler import FcfsScheduler, RequestEvent
 from .speculation_policy import SpeculationPolicy
@@ -267,20 +268,18 @@ class Engine:
     def _validate_prompt(self, prompt_token_ids) -> None:
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "must be a non-empty list of token ids")
-        vocab = self.target.args.vocab_size
-        for i, token in enumerate(prompt_token_ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequestError("prompt_token_ids", f"element {i} = {token!r} is not a token id in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_seq_len:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"prompt has {len(prompt_token_ids)} tokens; the context limit is {self.max_seq_len}"
-            )
+        bad = token_ids_problem(prompt_token_ids, self.target.args.vocab_size)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"element {bad[0]}: {bad[1]}")
+        too_long = prompt_length_problem(len(prompt_token_ids), self.max_seq_len)
+        if too_long is not None:
+            raise InvalidRequestError("prompt_token_ids", too_long)
 
     def _validate_logit_bias(self, params: SamplingParams) -> None:
-        vocab = self.target.args.vocab_size
         for token_id, _ in params.logit_bias:
-            if token_id >= vocab:
-                raise InvalidRequestError("logit_bias", f"token id {token_id} is not in the vocabulary [0, {vocab})")
+            problem = token_id_problem(token_id, self.target.args.vocab_size)
+            if problem is not None:
+                raise InvalidRequestError("logit_bias", problem)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestEvent]:

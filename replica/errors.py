@@ -75,3 +75,16 @@ class RequestTooLargeError(PoolExhaustedError):
         DSpineError.__init__(self, f"{pool} can never hold this request: it needs {needed} tokens and the pool "
                                    f"holds {capacity}; shorten the prompt or max_new_tokens")
         self.pool, self.needed, self.free, self.capacity = pool, needed, free, capacity
+
+
+class DraftPoolExhausted(DSpineError, RuntimeError):
+    """Not enough free draft K/V slots (-> RESOURCE_EXHAUSTED at the edge)."""
+
+    def __init__(self, requested: int, free: int, capacity: int):
+        super().__init__(
+            f"draft KV pool exhausted: {requested} slots requested, {free} free of {capacity}; "
+            "finish or cancel requests, or size the pool larger"
+        )
+        self.requested = requested
+        self.free = free
+        self.capacity = capacity

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .request_rules import seed_problem
+
 __all__ = [
     "SamplingParams",
     "batch_params",
@@ -48,7 +50,6 @@ __all__ = [
     "draw_uniforms",
 ]
 
-_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64) for our purposes
 
 
 def _is_int(value: object) -> bool:
@@ -118,8 +119,8 @@ class SamplingParams:
         if s is not None:
             if not _is_int(s):
                 raise ValueError(f"seed: must be an int or None, got {type(s).__name__} {s!r}")
-            if not 0 <= s < _MAX_SEED:
-                raise ValueError(f"seed: must be in [0, 2**64), got {s!r}")
+            if (problem := seed_problem(s)) is not None:
+                raise ValueError(f"seed: {problem}")
             set_(self, "seed", int(s))
 
         m = self.max_new_tokens
