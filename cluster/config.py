@@ -64,6 +64,9 @@ class EngineSettings(_Strict):
     admission_when_full: Literal["queue", "refuse"] = Field(
         "queue", description="a request that does not fit a pool now waits in the engine or is refused "
                              "(RESOURCE_EXHAUSTED)")
+    adaptive_speculation: bool = Field(True, description="choose per request and step how many draft rows to "
+                                                         "verify, or to decode target-only, from measured costs; "
+                                                         "false: draft every step")
 
     @field_validator("device_memory")
     @classmethod
@@ -85,7 +88,8 @@ class EngineSettings(_Strict):
                                      prefill_chunk_tokens=self.prefill_chunk_tokens,
                                      target_kv_tokens=self.target_kv_tokens,
                                      admission_reservation=self.admission_reservation,
-                                     admission_when_full=self.admission_when_full)
+                                     admission_when_full=self.admission_when_full,
+                                     adaptive_speculation=self.adaptive_speculation)
         if self.device_memory is not None:
             from dspine.replica.memory_plan import parse_size
 

@@ -59,7 +59,9 @@ def cluster(tmp_path_factory, tokenizer_dir, otlp):
                        "DSPINE_TEST_TOKEN": "s3cret"})
     cluster = LocalCluster(num_cpus=12, max_message_bytes=TINY_MAX_MESSAGE)
     try:
-        common = {"engine": {"device": "cpu", "dtype": "float32"}}
+        # Adaptive speculation off: the ingress test counts speculative cycles, which the policy would
+        # make depend on this machine's step timings.
+        common = {"engine": {"device": "cpu", "dtype": "float32", "adaptive_speculation": False}}
         cluster.deploy(cluster.config(app_name=MAIN, replicas={"num_replicas": 2, "max_queued_requests": 16,
                                                                "health_check_period_s": 1.0}, **common))
         cluster.deploy(cluster.config(app_name=SMALL, engine={"device": "cpu", "dtype": "float32",
@@ -156,10 +158,8 @@ def test_unary_and_model_info_through_the_ingress(cluster, reference_engine):
         assert (info.max_concurrency, info.has_drafter, info.block_size) == (8, True, 16)
         result = client.generate(PROMPTS[0], max_new_tokens=32, speculative=True)
         assert result.token_ids == _greedy(reference_engine, PROMPTS[0], 32)
-        # speculative; how many cycles the adaptive policy runs depends on this machine's timings
-        # (on a loaded 2-core CI machine it may decode a short request target-only throughout)
-        spec = result.speculation
-        assert spec.speculative and sum(spec.accepted_len_histogram) == spec.cycles
+        spec = result.speculation  # drafted every step (adaptive speculation is off in this app)
+        assert spec.speculative and spec.cycles > 0 and sum(spec.accepted_len_histogram) == spec.cycles
         ids = client.tokenize("import os")
         assert client.detokenize(ids) == "import os"
 
