@@ -54,8 +54,11 @@ def test_stage_times_add_up_to_the_requests_wall_time_in_steps(hybrid_target):
     for request_id, s in stats.items():
         t = s.stage_times
         total = t.prefill + t.draft + t.tail + t.verify + t.commit + t.target_step + t.other
-        wall = s.finish_time - s.scheduled_time
-        assert total == pytest.approx(wall, rel=0.05), (request_id, total, wall)
+        # The wall time of the steps it took part in (not finish - scheduled: the gaps between steps
+        # grow with thread wake-up latency on a loaded machine and belong to no stage).
+        wall_in_steps = sum(step.duration for step in s.steps)
+        assert total == pytest.approx(wall_in_steps, rel=1e-6), (request_id, total, wall_in_steps)
+        assert wall_in_steps <= s.finish_time - s.scheduled_time + 1e-9
         assert s.arrival_time <= s.scheduled_time <= s.first_token_time <= s.finish_time
         assert sum(n for _, n in s.token_times) >= s.num_output_tokens
 
