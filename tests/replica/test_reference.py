@@ -47,8 +47,21 @@ def stateful_greedy(model: TargetModel, prompts: list[list[int]], n: int) -> lis
     return gen
 
 
+def _transformers_uses_fla_on_cpu(hf) -> bool:
+    # With flash-linear-attention installed (the `gpu` extra), transformers' Qwen3.5 runs its Gated
+    # DeltaNet through fla's Triton kernels, which need a GPU: the peer is then broken on CPU, not us.
+    if torch.cuda.is_available() or type(hf).__name__ != "Qwen3_5ForCausalLM":
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
 def test_reference_matches_transformers_generate(pair):
     hf, ours = pair
+    if _transformers_uses_fla_on_cpu(hf):
+        pytest.skip("flash-linear-attention is installed on a CPU machine: transformers' Qwen3.5 needs a GPU "
+                    "then (do not install the gpu extra on CPU machines)")
     prompt = [3, 14, 15, 92, 65, 35]
     with torch.no_grad():
         hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0,
