@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from .attention_tiles import gqa_query_tile, online_softmax_step
 from ._triton import USE_TRITON as _USE_TRITON, tl, triton
 
 
@@ -64,16 +65,9 @@ if triton is not None:
     ):
         i_n = tl.program_id(0).to(tl.int64)
         i_kh = tl.program_id(1)
-        o_q = tl.arange(0, BLOCK_Q)
-        o_d = tl.arange(0, BLOCK_D)
-        m_q = o_q < BS * G
-        m_d = o_d < HD
-        o_r = o_q // G  # block row of each query row
-        o_h = i_kh * G + o_q % G  # query head of each query row
-        p_q = q_ptr + i_n * stride_qn + o_r[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
-        if UPCAST:
-            b_q = b_q.to(tl.float32)
+        # o_r: the block row of each tile row
+        b_q, o_r, o_h, m_q, o_d, m_d = gqa_query_tile(q_ptr + i_n * stride_qn, stride_qt, stride_qh,
+                                                      0, BS * G, i_kh, G, HD, BLOCK_Q, BLOCK_D, UPCAST)
 
         L = tl.load(lens_ptr + i_n)
         o_qpos = L + o_r  # [BLOCK_Q]
@@ -92,15 +86,8 @@ if triton is not None:
             b_v = tl.load(pv_ptr + o_kv, mask=m_kd, other=0.0)
             if UPCAST:
                 b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
             m_vis = m_k[None, :] & (o_k[None, :] > o_qpos[:, None] - window)
-            b_s = tl.where(m_vis, b_s, float("-inf"))
-            b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
-            b_alpha = tl.exp2(b_m - b_mn)
-            b_p = tl.exp2(b_s - b_mn[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-            b_m = b_mn
+            b_m, b_l, b_acc = online_softmax_step(b_q, b_k, b_v, m_vis, scale_log2, b_m, b_l, b_acc)
 
         # the block's own keys: causal and windowed
         o_b = tl.arange(0, BLOCK_B)
@@ -111,16 +98,10 @@ if triton is not None:
         b_v = tl.load(bv_ptr + o_bkv, mask=m_bd, other=0.0)
         if UPCAST:
             b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
         o_kpos = L + o_b
         m_vis = (m_b[None, :] & (o_kpos[None, :] <= o_qpos[:, None])
                  & (o_kpos[None, :] > o_qpos[:, None] - window))
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp2(b_m - b_mn)
-        b_p = tl.exp2(b_s - b_mn[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m, b_l, b_acc = online_softmax_step(b_q, b_k, b_v, m_vis, scale_log2, b_m, b_l, b_acc)
 
         b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # padded query rows see nothing
         p_o = out_ptr + i_n * stride_on + o_r[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]

@@ -35,6 +35,7 @@ import sys
 
 import torch
 
+from .attention_tiles import gqa_query_tile, online_softmax_step
 from ._triton import tl, triton
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2's paged KV needs page_block_size % 256 == 0
@@ -98,16 +99,8 @@ if triton is not None:
         i_b = tl.program_id(0).to(tl.int64)
         i_kh = tl.program_id(1)
         i_q = tl.program_id(2)
-        o_q = i_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        o_d = tl.arange(0, BLOCK_D)
-        m_q = o_q < T * G
-        m_d = o_d < HD
-        o_t = o_q // G  # query row of each tile row
-        o_h = i_kh * G + o_q % G  # query head of each tile row
-        p_q = q_ptr + i_b * stride_qb + o_t[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
-        if UPCAST:
-            b_q = b_q.to(tl.float32)
+        b_q, o_t, o_h, m_q, o_d, m_d = gqa_query_tile(q_ptr + i_b * stride_qb, stride_qt, stride_qh,
+                                                      i_q * BLOCK_Q, T * G, i_kh, G, HD, BLOCK_Q, BLOCK_D, UPCAST)
 
         L = tl.load(lens_ptr + i_b)
         o_qpos = L + o_t  # [BLOCK_Q] absolute position of each row
@@ -124,14 +117,8 @@ if triton is not None:
             b_v = tl.load(v_ptr + o_kv, mask=m_d[None, :], other=0.0)
             if UPCAST:
                 b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
-            b_s = tl.where(o_k[None, :] <= o_qpos[:, None], b_s, float("-inf"))
-            b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
-            b_alpha = tl.exp2(b_m - b_mn)
-            b_p = tl.exp2(b_s - b_mn[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-            b_m = b_mn
+            b_m, b_l, b_acc = online_softmax_step(b_q, b_k, b_v, o_k[None, :] <= o_qpos[:, None], scale_log2,
+                                                  b_m, b_l, b_acc)
 
         b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
         p_o = out_ptr + i_b * stride_ob + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
