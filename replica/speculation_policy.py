@@ -21,6 +21,16 @@ target-only step. When target-only wins, a probe step drafts again after a
 while (4 steps, doubling up to 64 while speculation keeps losing) so a request
 whose text becomes predictable is noticed.
 
+Probes are paid from a budget, so that speculation that does not pay costs at
+most ``_PROBE_BUDGET_SHARE`` of the decode time: every target-only step adds that
+share of its predicted seconds to the budget, and every probe, once its cycles
+are known, takes out what it cost beyond a target-only step that would have
+committed as many tokens (a probe that paid adds its gain). A probe waits until
+the budget covers it. With 8 requests in flight on a CPU, where a probe costs
+about one target step and finds nothing, that spaces probes about 70 steps
+apart instead of 4-64; where probes keep paying (a greedy request entering a
+predictable stretch) the budget grows and they are not held back.
+
 Lossless by construction: a plan is made before the step drafts anything,
 from past cycles and timings only, so whether a row is verified never depends
 on the token drawn at that row (the tail's confidence cut, applied on top,
@@ -29,7 +39,10 @@ obeys the same rule; see ``tail.chain_confidence``).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+
+from dspine import faults
 
 __all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", "StepPlan"]
 
@@ -47,6 +60,9 @@ _MAX_PROBE_INTERVAL = 64
 # row is accepted about half the time, so four rows tell it all and cost less.
 _PROBE_ROWS = {"greedy": 15, "sampled": 4}
 _PROBE_REQUESTS = 2  # requests a probe drafts at most (the ones that drafted longest ago)
+# Share of the decode time that probes which do not pay may cost: the sweep's floor is 0.97x
+# target-only, and the drafter's context prefill takes about 1% of it.
+_PROBE_BUDGET_SHARE = 0.015
 
 
 class LinearCost:
@@ -150,6 +166,26 @@ class AcceptanceProfile:
         self.decay = decay
         self._accepted = [0.0] * num_rows
         self._seen = [0.0] * num_rows
+        # Planning reads every candidate's profile every decode step; the estimates change only
+        # when a cycle is observed (here or in the prior), so they are computed once per change.
+        self.version = 0
+        self._cached: tuple[tuple[int, int], list[float], list[float]] | None = None
+
+    def _estimates(self) -> tuple[list[float], list[float]]:
+        """(conditionals, gains) for all rows, recomputed only after an observation."""
+        key = (self.version, self.prior.version if self.prior is not None else -1)
+        if self._cached is None or self._cached[0] != key:
+            prior = self.prior.conditionals() if self.prior is not None else None
+            conditionals: list[float] = []
+            for row in range(self.num_rows):
+                base = prior[row] if prior is not None else (conditionals[-1] if conditionals else self.initial)
+                conditionals.append((self._accepted[row] + _PRIOR_WEIGHT * base) / (self._seen[row] + _PRIOR_WEIGHT))
+            gains, running = [], 1.0
+            for c in conditionals:
+                running *= c
+                gains.append(running)
+            self._cached = (key, conditionals, gains)
+        return self._cached[1], self._cached[2]
 
     def conditionals(self, num_rows: int | None = None) -> list[float]:
         """Estimated P(row accepted | earlier rows accepted) for rows 0 .. num_rows - 1 (0-based).
@@ -158,30 +194,22 @@ class AcceptanceProfile:
         the engine the estimate of the row before (rows past the usual verify length are rarely
         observed, and a fixed guess there would keep them unverified for good)."""
         n = self.num_rows if num_rows is None else min(num_rows, self.num_rows)
-        prior = self.prior.conditionals(n) if self.prior is not None else None
-        out: list[float] = []
-        for row in range(n):
-            base = prior[row] if prior is not None else (out[-1] if out else self.initial)
-            out.append((self._accepted[row] + _PRIOR_WEIGHT * base) / (self._seen[row] + _PRIOR_WEIGHT))
-        return out
+        return self._estimates()[0][:n]
 
     def conditional(self, row: int) -> float:
         """One entry of :meth:`conditionals`."""
-        return self.conditionals(row + 1)[row]
+        return self._estimates()[0][row]
 
     def gains(self, max_rows: int) -> list[float]:
         """Expected accepted tokens added by verifying row t (t = 1..max_rows): P(rows 1..t accepted)."""
-        out, running = [], 1.0
-        for c in self.conditionals(max_rows):
-            running *= c
-            out.append(running)
-        return out
+        return self._estimates()[1][:max(0, max_rows)]
 
     def observe(self, num_verified: int, accepted_len: int) -> None:
         """A cycle verified ``num_verified`` rows and accepted the first ``accepted_len`` of them."""
         for row in range(min(num_verified, accepted_len + 1)):
             self._accepted[row] = self.decay * self._accepted[row] + (1.0 if row < accepted_len else 0.0)
             self._seen[row] = self.decay * self._seen[row] + 1.0
+        self.version += 1
         if self.prior is not None:
             self.prior.observe(num_verified, accepted_len)
 
@@ -207,6 +235,11 @@ class SpeculationPolicy:
         self._last_drafted: dict[str, int] = {}  # request id -> the decode step it last drafted in
         self._steps_without_draft = 0
         self._probe_interval = _FIRST_PROBE_INTERVAL
+        # Seconds probes may still cost beyond what they return (negative: in debt), and the probe
+        # whose cycles are not settled yet: (its rows per request, the step's requests, accepted so far).
+        self.probe_budget = 0.0
+        self._unsettled_probe: tuple[dict[str, int], int, dict[str, int]] | None = None
+        self.num_probes = 0
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
 
@@ -229,6 +262,8 @@ class SpeculationPolicy:
         for request_id in candidates:
             self.profile(request_id, request_id in sampled)
         self.num_decode_steps += 1
+        self._settle_probe()
+        batch = len(candidates) + num_target_only
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
         rows = self._best_rows(candidates, num_target_only)
@@ -236,14 +271,32 @@ class SpeculationPolicy:
             self._probe_interval = _FIRST_PROBE_INTERVAL
             return self._drafting(StepPlan(rows))
         self._steps_without_draft += 1
-        if self._steps_without_draft >= self._probe_interval:
+        self.probe_budget += _PROBE_BUDGET_SHARE * self.costs.step_seconds(0, 0, batch)
+        affordable = self.probe_budget >= 0 or faults.active("policy.probes_ignore_budget")
+        if self._steps_without_draft >= self._probe_interval and affordable:
             self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
             oldest = sorted((r for r, m in candidates.items() if m > 0), key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS["sampled" if r in sampled else "greedy"])
                      for r in oldest[:_PROBE_REQUESTS]}
+            if probe:
+                self._unsettled_probe = (probe, batch, dict.fromkeys(probe, 0))
+                self.num_probes += 1
             return self._drafting(StepPlan(probe, is_probe=True))
         return StepPlan({})
+
+    def _settle_probe(self) -> None:
+        """Charge the last probe, its cycles now observed, to the budget: its predicted seconds
+        (the cost model has just measured that step) less those of target-only steps committing
+        as many tokens."""
+        if self._unsettled_probe is None:
+            return
+        probe, batch, accepted = self._unsettled_probe
+        self._unsettled_probe = None
+        probe_seconds = self.costs.step_seconds(len(probe), len(probe) + sum(probe.values()), batch - len(probe))
+        tokens = batch + sum(accepted.values())
+        target_only_seconds = self.costs.step_seconds(0, 0, batch) * tokens / batch
+        self.probe_budget += target_only_seconds - probe_seconds
 
     def _drafting(self, plan: StepPlan) -> StepPlan:
         for request_id in plan.draft_rows:
@@ -254,30 +307,48 @@ class SpeculationPolicy:
         return plan
 
     def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
-        """Rows in order of gain; the prefix with the most tokens per second, if it beats target-only."""
+        """Rows in order of gain; the prefix with the most tokens per second, if it beats target-only.
+
+        Runs every decode step on the engine's thread, so it costs what the step costs in Python:
+        the cost lines are read once and a candidate prefix's seconds are updated, not recomputed
+        (with 8 requests x 15 rows, the general `CostModel.step_seconds` per prefix took 4% of a
+        CPU target step)."""
         n = len(candidates)
-        ranked = sorted(((gain, request_id) for request_id, max_rows in candidates.items()
-                         for gain in self.profile(request_id).gains(max_rows)), key=lambda item: -item[0])
-        tokens = float(n + num_target_only)  # one token per request whatever the plan
-        best_rate = tokens / self.costs.step_seconds(0, 0, n + num_target_only)
+        batch = n + num_target_only
+        # Each request's gains fall row by row, so merging the lists yields every row by gain.
+        ranked = heapq.merge(*([(gain, request_id) for gain in self.profile(request_id).gains(max_rows)]
+                               for request_id, max_rows in candidates.items()), key=lambda item: -item[0])
+        tokens = float(batch)  # one token per request whatever the plan
+        best_rate = tokens / self.costs.step_seconds(0, 0, batch)
+        # A step where `d` requests draft `k` rows in all: overhead(d) + verify(batch + k) (the others ride
+        # along one row each), i.e. CostModel.step_seconds(d, d + k, batch - d).
+        overhead_intercept, overhead_slope = self.costs.draft_overhead.coefficients()
+        verify_intercept, verify_slope = self.costs.verify_forward.coefficients()
+        fixed = overhead_intercept + verify_intercept + verify_slope * batch
         best_count = 0
-        drafting, rows_taken = set(), 0
+        drafting: set[str] = set()
+        taken: list[str] = []
         for count, (gain, request_id) in enumerate(ranked, start=1):
+            # A row adds `gain` tokens for at least `verify_slope` seconds; once that is below the best
+            # rate, so is every later row (their gains are no larger), and no longer prefix can win.
+            if gain < best_rate * verify_slope:
+                break
             tokens += gain
             drafting.add(request_id)
-            rows_taken += 1
-            seconds = self.costs.step_seconds(len(drafting), len(drafting) + rows_taken,
-                                              n - len(drafting) + num_target_only)
+            taken.append(request_id)
+            seconds = fixed + overhead_slope * len(drafting) + verify_slope * count
             if tokens / seconds > best_rate:
                 best_rate, best_count = tokens / seconds, count
         rows: dict[str, int] = {}
-        for _, request_id in ranked[:best_count]:
+        for request_id in taken[:best_count]:
             rows[request_id] = rows.get(request_id, 0) + 1
         return rows
 
     # ------------------------------------------------------------ learning
     def observe_cycle(self, request_id: str, num_verified: int, accepted_len: int) -> None:
         self.profile(request_id).observe(num_verified, accepted_len)
+        if self._unsettled_probe is not None and request_id in self._unsettled_probe[0]:
+            self._unsettled_probe[2][request_id] = accepted_len
 
     def forget(self, request_id: str) -> None:
         self._profiles.pop(request_id, None)

@@ -11,7 +11,8 @@ import torch
 
 from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
-from dspine.replica.speculation_policy import AcceptanceProfile, LinearCost, SpeculationPolicy
+from dspine import faults
+from dspine.replica.speculation_policy import _PROBE_BUDGET_SHARE, AcceptanceProfile, LinearCost, SpeculationPolicy
 from dspine.replica.tail import Proposal
 
 ROWS = 15
@@ -84,14 +85,52 @@ def test_rows_are_bought_while_they_pay(row_seconds, expected_rows):
     assert policy.plan({"r": ROWS}).draft_rows["r"] == expected_rows
 
 
+def _probe_steps(policy, steps: int, accepted: int = 0) -> list[int]:
+    """Decode steps (0-based) at which a lone greedy request whose drafts keep failing is probed."""
+    probes = []
+    for step in range(steps):
+        rows = policy.plan({"bad": ROWS}).draft_rows
+        if rows:
+            policy.observe_cycle("bad", rows["bad"], accepted)
+            probes.append(step)
+    return probes
+
+
 def test_probes_back_off_while_speculation_loses():
     policy = _policy_with_costs()
     for _ in range(10):
         policy.observe_cycle("bad", ROWS, 0)
-    drafted = [bool(policy.plan({"bad": ROWS}).draft_rows) for _ in range(200)]
-    probes = [i for i, d in enumerate(drafted) if d]
-    assert probes[:5] == [3, 11, 27, 59, 123]  # every 4th step, then 8th, 16th, 32nd, 64th
-    assert sum(drafted) / len(drafted) < 0.1
+    with faults.inject("policy.probes_ignore_budget"):  # the clock alone
+        assert _probe_steps(policy, 200)[:5] == [3, 11, 27, 59, 123]  # every 4th step, then 8th, ..., 64th
+
+
+def test_probes_that_lose_are_paid_from_a_budget():
+    """A probe that finds nothing costs what its step costs beyond a target-only step; those costs
+    together stay within the budget's share of the decode time (plus the one probe that may run
+    the budget into debt), while probes still come (a request that turns predictable is noticed)."""
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("bad", ROWS, 0)
+    steps = 3000
+    probes = _probe_steps(policy, steps)
+    target_step = policy.costs.step_seconds(0, 0, 1)
+    probe_loss = policy.costs.step_seconds(1, 1 + ROWS, 0) - target_step  # one token either way
+    budget = _PROBE_BUDGET_SHARE * (steps - len(probes)) * target_step
+    assert probes[0] == 3
+    assert len(probes) * probe_loss <= budget + probe_loss
+    assert len(probes) * probe_loss >= budget - 2 * probe_loss  # the budget is spent, not hoarded
+    # The clock still sets the shortest spacing; the budget only stretches it.
+    assert all(b - a >= 8 for a, b in zip(probes, probes[1:]))
+
+
+def test_probes_that_pay_are_not_held_back():
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("bad", ROWS, 0)
+    before = policy.probe_budget
+    probes = _probe_steps(policy, 40, accepted=ROWS)  # every probe finds a fully accepted block
+    assert probes[0] == 3 and policy.probe_budget > before
+    assert len(probes) > 20  # its profile recovers, so it drafts instead of waiting for probes
 
 
 # ------------------------------------------------------------- through the engine
@@ -120,9 +159,11 @@ def test_an_always_wrong_drafter_stops_drafting_after_warm_up(hybrid_target):
     assert result.token_ids == reference_generate(hybrid_target, prompt, 300)
     decode_steps = steps[1:]  # step 0 is the prefill
     after_warm_up = decode_steps[20:]
-    share = sum(1 for s in after_warm_up if s) / len(after_warm_up)
-    assert 0 < share < 0.1, share  # apart from probes, target-only
+    drafting = sum(1 for s in after_warm_up if s)
+    assert drafting / len(after_warm_up) < 0.1, drafting
     policy = engine.scheduler.policy
+    assert policy.num_probes >= 1  # it keeps looking (how often depends on what probes cost here)
+    assert drafting <= policy.num_probes  # apart from probes, target-only
     assert policy.num_decode_steps == len(decode_steps)
     assert engine.num_live_states() == {"requests": 0, "target_states": 0, "draft_slots": 0, "target_kv_blocks": 0}
 
