@@ -37,6 +37,7 @@ def measure(engine: Engine, prompts: list[list[int]], seeds: int, temperature: f
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line of ``python -m dspine.benchmarks.acceptance``: prints the report as JSON."""
     from dspine import embedded
 
     from .prompts import heldout_prompts

@@ -23,6 +23,8 @@ from .prompts import heldout_prompts
 
 @dataclass
 class EngineBenchReport:
+    """``bench_engine``'s figures: both modes' run times per repeat, acceptance, stages, the cost model."""
+
     num_prompts: int
     concurrency: int
     temperature: float

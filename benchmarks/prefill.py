@@ -74,6 +74,7 @@ def bench_prefill(target_dir: str, draft_dir: str | None, prompt_len: int = 4096
 
 
 def format_report(r: dict) -> str:
+    """``bench_prefill``'s result as the table ``dspine bench prefill`` prints."""
     mib = 1 << 20
     lines = [f"prefill of {r['prompt_len']:,} tokens (speculative={r['speculative']}): unchunked vs "
              f"{r['chunk']}-token chunks, same run"]

@@ -20,6 +20,8 @@ TINY_DRAFTER = dict(
 
 @dataclass(frozen=True)
 class DraftTrainConfig:
+    """Every setting of ``train_draft``; the defaults are the shipped drafter's recipe (the CLI holds no copy)."""
+
     target_dir: str
     out_dir: str
     steps: int = 3000

@@ -27,6 +27,8 @@ def _file_digest(path: Path) -> str:
 
 
 def target_fingerprint(target_dir: Path) -> str:
+    """16 hex digits naming the target's weights, config and tokenizer: the cache key's first part
+    (a retrained target never reads another target's continuations)."""
     parts = sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json", target_dir / "tokenizer.json"]
     return hashlib.sha256("".join(_file_digest(p) for p in parts if p.exists()).encode()).hexdigest()[:16]
 
