@@ -227,12 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     if args.train == "target":
-        from dspine.replica.train.target import TargetTrainConfig, train_target
+        from dspine.training.target import TargetTrainConfig, train_target
 
         train_target(TargetTrainConfig(out_dir=args.out, steps=args.steps, batch_size=args.batch_size,
                                        seq_len=args.seq_len, seed=args.seed, max_files=args.max_files))
         return 0
-    from dspine.replica.train.draft import DraftTrainConfig, train_draft
+    from dspine.training.draft import DraftTrainConfig, train_draft
 
     given = {"steps": args.steps, "seed": args.seed, "max_files": args.max_files,
              "num_sequences": args.num_sequences, "threads": args.threads}
@@ -499,19 +499,22 @@ def cmd_plan(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.bench == "cluster":
-        from .bench import bench_cluster, format_report
+        from dspine.benchmarks.cluster import bench_cluster, format_report
 
         result = bench_cluster(num_prompts=args.num_prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                temperature=args.temperature, seed=args.seed, rounds=args.rounds,
                                concurrency=args.concurrency, num_requests=args.requests, threads=args.threads)
         print(json.dumps(result, indent=2) if args.json else format_report(result))
         return 0
-    from dspine.replica import bench
+    from dspine.benchmarks.engine import bench_engine
+    from dspine.benchmarks.prompts import heldout_prompts
+    from dspine.benchmarks.sweep import bench_sweep, format_sweep
+    from dspine.benchmarks.transformers_baseline import bench_target
 
     from .embedded import resolve_model_dirs
 
     if args.bench == "prefill":
-        from dspine.replica.bench_prefill import bench_prefill, format_report
+        from dspine.benchmarks.prefill import bench_prefill, format_report
 
         target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=not args.no_spec)
         result = bench_prefill(target_dir, None if args.no_spec else draft_dir, prompt_len=args.prompt_len,
@@ -521,15 +524,15 @@ def cmd_bench(args) -> int:
 
     if args.bench == "target":
         target_dir, _ = resolve_model_dirs(args.target, None, speculative_needed=False)
-        report = bench.bench_target(target_dir, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                    repeats=args.repeats, device=args.device)
+        report = bench_target(target_dir, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                              repeats=args.repeats, device=args.device)
         print(report.format())
         return 0
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=True)
     from dspine.replica import Engine, SamplingParams
 
     if args.kv_layouts is not None:
-        from dspine.replica.bench_kv import bench_kv_layouts, format_kv_layouts
+        from dspine.benchmarks.kv_layouts import bench_kv_layouts, format_kv_layouts
 
         report = bench_kv_layouts(target_dir, draft_dir, num_requests=args.num_prompts, prompt_len=args.kv_layouts,
                                   new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device,
@@ -540,24 +543,24 @@ def cmd_bench(args) -> int:
     if args.sweep:
         engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=8))
         seed = 0 if args.seed is None else args.seed
-        rows = bench.bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                                 repeats=args.repeats, seed=seed)
+        rows = bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                           repeats=args.repeats, seed=seed)
         served = None
         if args.through_server:
-            from .bench import bench_sweep_server
+            from dspine.benchmarks.sweep_server import bench_sweep_server
 
-            served = bench_sweep_server(bench.heldout_prompts(engine, args.num_prompts, args.prompt_len),
+            served = bench_sweep_server(heldout_prompts(engine, args.num_prompts, args.prompt_len),
                                         repeats=args.repeats, seed=seed, target_dir=target_dir, draft_dir=draft_dir)
         if args.json:
             print(json.dumps(rows if served is None else {"inline": rows, "server": served}, indent=2))
         else:
-            print(bench.format_sweep(rows))
+            print(format_sweep(rows))
             if served is not None:
                 print("\nthrough the standalone gRPC server (SDK streaming, same prompts):")
-                print(bench.format_sweep(served))
+                print(format_sweep(served))
         return 0
     if args.plot:  # before minutes of benchmarking, not after
-        from .bench_plot import PlotUnavailableError, require_pyplot
+        from dspine.benchmarks.plot import PlotUnavailableError, require_pyplot
 
         try:
             require_pyplot()
@@ -565,15 +568,15 @@ def cmd_bench(args) -> int:
             print(f"dspine bench: error: {e}", file=sys.stderr)
             return 2
     engine = Engine.from_pretrained(target_dir, draft_dir, _engine_config(args, max_concurrency=max(args.concurrency, 1)))
-    report = bench.bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,
-                                prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
-                                engine=engine, trace_out=args.trace_out)
+    report = bench_engine(target_dir, draft_dir, _sampling_from_args(args), num_prompts=args.num_prompts,
+                          prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
+                          engine=engine, trace_out=args.trace_out)
     overhead = None
     if args.tracing:
-        from .bench import bench_tracing_overhead
+        from dspine.benchmarks.tracing_overhead import bench_tracing_overhead
 
         sampling = _sampling_from_args(args)
-        prompts = bench.heldout_prompts(engine, args.num_prompts, args.prompt_len)
+        prompts = heldout_prompts(engine, args.num_prompts, args.prompt_len)
         overhead = bench_tracing_overhead(engine, prompts, SamplingParams(
             **{**sampling.__dict__, "ignore_eos": True}), repeats=args.repeats)
     if args.json:
@@ -587,7 +590,7 @@ def cmd_bench(args) -> int:
         if args.trace_out:
             print(f"wrote {args.trace_out} (open in ui.perfetto.dev)")
     if args.plot:
-        from .bench_plot import plot_engine_bench
+        from dspine.benchmarks.plot import plot_engine_bench
 
         plot_engine_bench(report, args.plot)
         if not args.json:

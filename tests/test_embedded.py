@@ -10,7 +10,7 @@ import torch
 
 from dspine import embedded
 from dspine.replica import Engine, EngineConfig, SamplingParams
-from dspine.replica.bench import heldout_prompts
+from dspine.benchmarks.prompts import heldout_prompts
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_generate_text_reads_like_python(engine):
 
 
 def test_embedded_tokenizer_ships_the_chat_template_the_train_command_writes(engine, tmp_path):
-    from dspine.replica.train.tokenizer import train_tokenizer
+    from dspine.training.tokenizer import train_tokenizer
 
     # `dspine train target` writes tokenizer_config.json through train_tokenizer: the rebuilt file,
     # chat template included, is byte-identical to the shipped one (it does not depend on the corpus)

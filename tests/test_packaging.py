@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"embedded": "dspine.embedded", "replica": "dspine.replica", "kernels": "dspine.kernels",
-           "cluster": "dspine.cluster", "protos": "dspine.protos"}
+           "cluster": "dspine.cluster", "protos": "dspine.protos", "training": "dspine.training",
+           "benchmarks": "dspine.benchmarks"}
 
 
 def _pyproject() -> dict:
@@ -40,20 +41,59 @@ def test_generic_top_level_names_are_not_ours(name, tmp_path):
 
 FORBIDDEN = {"replica": ("ray", "grpc", "opentelemetry", "transformers"),
              "kernels": ("ray", "grpc", "opentelemetry", "transformers")}
+# Training and the benches are not serving: no serving package imports them. The CLI's `train` and
+# `bench` commands do (lazily, inside the command functions).
+NOT_SERVING = ("dspine.training", "dspine.benchmarks")
+SERVING = ("replica", "kernels", "cluster", "protos", "embedded")
+CLI = ("cluster/cli.py", "cluster/cli/")
+
+
+def _imports(root: Path, folder: str, modules: tuple[str, ...]) -> list[str]:
+    """``path: statement`` of each import of ``modules`` (absolute, ``from dspine import x`` or relative
+    ``from ..x``) in the .py files under ``root / folder``."""
+    names = "|".join(re.escape(m) for m in modules)
+    short = "|".join(re.escape(m.split(".", 1)[1]) for m in modules if m.startswith("dspine."))
+    forms = [rf"(?:from|import)\s+(?:{names})\b"]
+    if short:
+        forms += [rf"from\s+dspine\s+import\s+(?:{short})\b", rf"from\s+\.\.+(?:{short})\b"]
+    pattern = re.compile(r"^\s*(?:" + "|".join(forms) + ")", re.M)
+    found = []
+    for path in sorted((root / folder).rglob("*.py")):
+        found += [f"{path.relative_to(root).as_posix()}: {m.group(0).strip()}" for m in pattern.finditer(path.read_text())]
+    return found
 
 
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_engine_layers_do_not_import_the_edge(folder):
-    pattern = re.compile(r"^\s*(?:from|import)\s+(" + "|".join(FORBIDDEN[folder]) + r")\b", re.M)
-    offenders = []
-    for path in (ROOT / folder).rglob("*.py"):
-        text = path.read_text()
-        for match in pattern.finditer(text):
-            # bench.py compares against transformers as an optional, dev-only baseline
-            if path.name == "bench.py" and match.group(1) == "transformers":
-                continue
-            offenders.append(f"{path.relative_to(ROOT)}: {match.group(0).strip()}")
+    assert _imports(ROOT, folder, FORBIDDEN[folder]) == []
+
+
+def test_transformers_is_imported_only_by_its_dev_only_baseline():
+    offenders = [hit for folder in FOLDERS for hit in _imports(ROOT, folder, ("transformers",))]
+    assert {hit.split(":")[0] for hit in offenders} == {"benchmarks/transformers_baseline.py"}
+
+
+@pytest.mark.parametrize("folder", SERVING)
+def test_serving_packages_do_not_import_training_or_benchmarks(folder):
+    offenders = [hit for hit in _imports(ROOT, folder, NOT_SERVING) if not hit.startswith(CLI)]
     assert offenders == []
+
+
+def test_the_import_scan_finds_every_form(tmp_path):
+    # what the two tests above would miss if the pattern were too narrow
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("import os\nfrom dspine.training.draft import train_draft\n"
+                                           "def f():\n    from ..benchmarks import engine\n")
+    (tmp_path / "pkg" / "b.py").write_text("from dspine import benchmarks\nimport dspine.trainingx\n")
+    assert _imports(tmp_path, "pkg", NOT_SERVING) == [
+        "pkg/a.py: from dspine.training", "pkg/a.py: from ..benchmarks", "pkg/b.py: from dspine import benchmarks"]
+
+
+def test_the_engine_loads_without_training_or_benchmarks():
+    code = ("import sys; from dspine.replica import Engine; import dspine.kernels, dspine.embedded; "
+            "print(sorted(m for m in sys.modules if m.startswith(('dspine.training', 'dspine.benchmarks'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_cli_entry_point_is_declared():

@@ -16,7 +16,7 @@ from dspine.replica.models.dspine_config import DraftArgs
 from dspine.replica.models.loader import save_target
 from dspine.replica.models.target import TargetModel
 from dspine.replica.models.target_config import TARGET_CONFIGS, TargetArgs
-from dspine.replica.train.tokenizer import train_tokenizer
+from dspine.training.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_missing_target_dir_is_a_clear_error(capsys, tmp_path):
 
 
 def test_train_draft_flags_override_only_what_is_given(monkeypatch):
-    from dspine.replica.train import draft as draft_training
+    from dspine.training import draft as draft_training
 
     seen = []
     monkeypatch.setattr(draft_training, "train_draft", lambda cfg: seen.append(cfg))

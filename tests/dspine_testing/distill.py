@@ -24,35 +24,10 @@ import torch.nn.functional as F
 
 from dspine.replica.models.dspine import DSpineDrafter
 from dspine.replica.models.dspine_config import DraftArgs
-from dspine.replica.train.draft import row_weights, tail_hidden
+from dspine.training.draft.continuations import sample_continuations
+from dspine.training.draft.losses import row_weights, tail_hidden
 
 from .models import make_predictable_target
-
-
-@torch.no_grad()
-def sample_continuations(target, prompts: torch.Tensor, total_len: int, temperature: float,
-                         generator: torch.Generator) -> torch.Tensor:
-    """prompts [B, P] -> [B, total_len]: the prompt, then tokens drawn from the target at
-    ``temperature`` (argmax when 0), decoded with the stateful forward_step / commit."""
-    b, p = prompts.shape
-    out = torch.empty(b, total_len, dtype=torch.long)
-    out[:, :p] = prompts
-    states = [target.new_state() for _ in range(b)]
-    step = target.forward_step(prompts, states)
-    target.commit(states, [p] * b)
-    for t in range(p, total_len):
-        logits = step.logits[:, -1].float()
-        if temperature > 0:
-            nxt = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        out[:, t] = nxt
-        if t + 1 < total_len:
-            step = target.forward_step(nxt[:, None], states)
-            target.commit(states, [1] * b)
-    for state in states:
-        state.release()
-    return out
 
 
 def distill_drafter(target, *, temperature: float = 1.0, window: int = 64, num_sequences: int = 96,

@@ -88,15 +88,3 @@ def test_noise_is_a_function_of_seed_position_and_token_and_is_gumbel():
     h = gumbel_noise(seeds, torch.tensor([4]), ids)
     assert abs(float(torch.corrcoef(torch.stack([g[0], h[0]]))[0, 1])) < 0.03
     assert abs(float(torch.corrcoef(torch.stack([g[0, :-1], g[0, 1:]]))[0, 1])) < 0.03
-
-
-def test_acceptance_bench_runs_both_modes_on_the_same_requests():
-    from dspine.replica.bench_acceptance import measure
-
-    target, drafter = distilled_pair()
-    engine = Engine(target, drafter, None, EngineConfig(device="cpu", dtype="float32", retrieval="exact",
-                                                        adaptive_speculation=False))
-    report = measure(engine, _prompts()[:2], seeds=3, temperature=0.7, top_p=1.0, max_new_tokens=12)
-    assert report["rejection"]["cycles"] > 0 and report["gumbel"]["cycles"] > 0
-    assert report["ratio_gumbel_over_rejection"] == pytest.approx(
-        report["gumbel"]["accepted_per_cycle"] / report["rejection"]["accepted_per_cycle"], abs=1e-3)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .config import EngineConfig
-from .device_thread import DeviceThread
-from .engine import Engine, load_models
-from .sampling import SamplingParams
+from dspine.replica.config import EngineConfig
+from dspine.replica.device_thread import DeviceThread
+from dspine.replica.engine import Engine, load_models
+from dspine.replica.sampling import SamplingParams
 
 LAYOUTS = ("contiguous", "paged")
 

@@ -32,7 +32,7 @@ def require_pyplot():
 
 
 def plot_engine_bench(report, path: str | Path) -> Path:
-    """Write ``report`` (an :class:`~dspine.replica.bench.EngineBenchReport`) as a PNG; returns the path."""
+    """Write ``report`` (an :class:`~dspine.benchmarks.engine.EngineBenchReport`) as a PNG; returns the path."""
     plt = require_pyplot()
     path = Path(path)
     figure, (hist_axes, cost_axes) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from dspine.cluster.bench_plot import PlotUnavailableError, plot_engine_bench, require_pyplot
+from dspine.benchmarks.plot import PlotUnavailableError, plot_engine_bench, require_pyplot
 from dspine.cluster.cli import main
-from dspine.replica.bench import EngineBenchReport
+from dspine.benchmarks.engine import EngineBenchReport
 
 
 def _report() -> EngineBenchReport:

@@ -1,6 +1,6 @@
 """Acceptance of seed-reproducible (Gumbel) sampling against ordinary rejection sampling, one run.
 
-``python -m dspine.replica.bench_acceptance [--temperature 0.7] [--seeds 8] [--prompts 8]`` runs the
+``python -m dspine.benchmarks.acceptance [--temperature 0.7] [--seeds 8] [--prompts 8]`` runs the
 same held-out prompts and seeds on the embedded pair (or ``--target/--draft``) twice, speculative,
 whole-block verification, adaptive speculation off (so both modes draft every step): once with
 ordinary sampling (rejection test ``u * q < p``), once with ``reproducible=True`` (exact match against
@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .config import EngineConfig
-from .engine import Engine
-from .sampling import SamplingParams
+from dspine.replica import Engine, EngineConfig, SamplingParams
 
 
 def measure(engine: Engine, prompts: list[list[int]], seeds: int, temperature: float, top_p: float,
@@ -39,11 +37,12 @@ def measure(engine: Engine, prompts: list[list[int]], seeds: int, temperature: f
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line of ``python -m dspine.benchmarks.acceptance``: prints the report as JSON."""
     from dspine import embedded
 
-    from .bench import heldout_prompts
+    from .prompts import heldout_prompts
 
-    parser = argparse.ArgumentParser(prog="python -m dspine.replica.bench_acceptance", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dspine.benchmarks.acceptance", description=__doc__)
     parser.add_argument("--target", default=str(embedded.TARGET_DIR))
     parser.add_argument("--draft", default=str(embedded.DRAFT_DIR))
     parser.add_argument("--temperature", type=float, default=0.7)

@@ -1,7 +1,7 @@
 """``bench engine --kv-layouts``: both layouts, both modes, one table with same-run ratios and K/V traffic."""
 from __future__ import annotations
 
-from dspine.replica.bench_kv import bench_kv_layouts, format_kv_layouts
+from dspine.benchmarks.kv_layouts import bench_kv_layouts, format_kv_layouts
 from dspine.replica.models.dspine_checkpoint import init_random_drafter
 from dspine.replica.models.dspine_config import DraftArgs
 

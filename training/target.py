@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from dspine.progress import Progress
-from ..models.loader import save_target
-from ..models.target import TargetModel
-from ..models.target_config import TargetArgs
+from dspine.replica.models.loader import save_target
+from dspine.replica.models.target import TargetModel
+from dspine.replica.models.target_config import TargetArgs
 from . import corpus
 from .tokenizer import END_OF_TEXT, train_tokenizer
 

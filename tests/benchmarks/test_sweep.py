@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dspine.replica import bench
+from dspine_testing.engines import make_engine
 
-from .conftest import make_engine
+from dspine.benchmarks.sweep import bench_sweep, format_sweep
 
 REGIMES = (
     ("greedy", {}, 12, 1),
@@ -15,7 +15,7 @@ REGIMES = (
 
 def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
     engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
-    rows = bench.bench_sweep(engine, num_prompts=2, prompt_len=6, repeats=1, regimes=REGIMES)
+    rows = bench_sweep(engine, num_prompts=2, prompt_len=6, repeats=1, regimes=REGIMES)
     assert [row["regime"] for row in rows] == ["greedy", "sampled", "batched"]
     for row in rows:
         ratio = row["speculative_tokens_per_s"] / row["target_only_tokens_per_s"]
@@ -23,7 +23,7 @@ def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
         assert 0.0 <= row["drafting_share"] <= 1.0
     assert rows[0]["identical_greedy_output"] is True and rows[2]["identical_greedy_output"] is True
     assert rows[1]["identical_greedy_output"] is None  # sampled: no token-for-token claim
-    table = bench.format_sweep(rows)
+    table = format_sweep(rows)
     assert table.count("\n") == len(rows) + 2 and "lowest:" in table
     for row in rows:
         assert row["regime"] in table and f"{row['speedup']:.2f}x" in table
@@ -31,6 +31,6 @@ def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
 
 def test_sweep_without_the_policy_reports_no_drafting_share(hybrid_target):
     engine = make_engine(hybrid_target, adaptive_speculation=False)
-    rows = bench.bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[:1])
+    rows = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[:1])
     assert rows[0]["drafting_share"] is None
-    assert "  -  " in bench.format_sweep(rows) or " - " in bench.format_sweep(rows)
+    assert "  -  " in format_sweep(rows) or " - " in format_sweep(rows)

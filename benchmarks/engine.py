@@ -1,10 +1,6 @@
-"""Benchmarks: every figure is a ratio against a baseline measured in the same run.
-
-``bench_target``  target-only decode tokens/s of this engine vs transformers ``generate``
-                  on the same checkpoint (transformers is a dev-only dependency).
-``bench_engine``  the same prompts decoded target-only and speculatively, with the
-                  speedup, acceptance, stage breakdown and the article's cost-model bound.
-"""
+"""``dspine bench engine``: the same prompts decoded target-only and speculatively in one run, with the
+speedup (a ratio against the target-only baseline of the same run), acceptance, stage breakdown and the
+article's cost-model bound."""
 
 from __future__ import annotations
 
@@ -16,79 +12,19 @@ from pathlib import Path
 import torch
 
 from dspine.progress import Progress
-from .config import EngineConfig
-from .engine import Engine
-from .sampling import SamplingParams
-from .step_stats import StepRecord, write_chrome_trace
-from .types import SpecDecodingStats, StageTimes
+from dspine.replica.config import EngineConfig
+from dspine.replica.engine import Engine
+from dspine.replica.sampling import SamplingParams
+from dspine.replica.step_stats import StepRecord, write_chrome_trace
+from dspine.replica.types import SpecDecodingStats, StageTimes
 
-
-@dataclass
-class TargetBenchReport:
-    prompt_len: int
-    new_tokens: int
-    ours_tokens_per_s: float
-    transformers_tokens_per_s: float | None
-    same_tokens: bool | None
-
-    def format(self) -> str:
-        lines = [
-            f"target-only greedy decode, prompt {self.prompt_len} tokens, {self.new_tokens} new tokens (median of runs)",
-            f"  dspine engine          {self.ours_tokens_per_s:10.1f} tok/s",
-        ]
-        if self.transformers_tokens_per_s is not None:
-            ratio = self.ours_tokens_per_s / self.transformers_tokens_per_s
-            lines.append(f"  transformers generate  {self.transformers_tokens_per_s:10.1f} tok/s")
-            lines.append(f"  ratio dspine / transformers: {ratio:.2f}x   identical tokens: {self.same_tokens}")
-        else:
-            lines.append("  transformers not installed: no baseline (pip install 'dspine-serve[dev]')")
-        return "\n".join(lines)
-
-
-def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
-
-
-def bench_target(target_dir: str | Path, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 3,
-                 device: str = "auto") -> TargetBenchReport:
-    """Decode tokens/s of our target-only path and of transformers on the same model."""
-    engine = Engine.from_pretrained(target_dir, None, EngineConfig(device=device, dtype="float32"))
-    prompt = _prompt(engine.target.args.vocab_size, prompt_len, seed=0)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompt, params, speculative=False)  # warm-up
-    ours, our_tokens = [], None
-    for _ in range(repeats):
-        result = engine.generate(prompt, params, speculative=False)
-        ours.append(result.stats.decode_tokens_per_second)
-        our_tokens = result.token_ids
-    try:
-        import transformers  # noqa: F401 - dev-only baseline
-    except ImportError:
-        return TargetBenchReport(prompt_len, new_tokens, statistics.median(ours), None, None)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    input_ids = torch.tensor([prompt])
-    theirs, their_tokens = [], None
-    with torch.inference_mode():
-        model.generate(input_ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
-        for _ in range(repeats):
-            # time the first token separately so both rates exclude prefill
-            start = time.perf_counter()
-            model.generate(input_ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
-            elapsed = time.perf_counter() - start - prefill
-            theirs.append((new_tokens - 1) / elapsed)
-            their_tokens = out[0, prompt_len:].tolist()
-    return TargetBenchReport(prompt_len, new_tokens, statistics.median(ours), statistics.median(theirs),
-                             our_tokens == their_tokens)
+from .prompts import heldout_prompts
 
 
 @dataclass
 class EngineBenchReport:
+    """``bench_engine``'s figures: both modes' run times per repeat, acceptance, stages, the cost model."""
+
     num_prompts: int
     concurrency: int
     temperature: float
@@ -195,22 +131,6 @@ def gemm_probe(device: torch.device | str = "cpu", iters: int = 200) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def heldout_prompts(engine: Engine, num_prompts: int, prompt_len: int) -> list[list[int]]:
-    """Prompts cut from held-out stdlib files (never trained on); random ids without a tokenizer."""
-    if engine.tokenizer is None:
-        return [_prompt(engine.target.args.vocab_size, prompt_len, seed=i) for i in range(num_prompts)]
-    from .train.corpus import read_texts
-
-    prompts = []
-    for text in read_texts("heldout"):
-        ids = engine.tokenizer.encode(text)
-        for start in range(0, len(ids) - prompt_len - 1, max(prompt_len * 8, 512)):
-            prompts.append(ids[start : start + prompt_len])
-            if len(prompts) == num_prompts:
-                return prompts
-    return prompts
-
-
 def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int = 8, prompt_len: int = 64,
                  concurrency: int = 1, device: str = "auto", dtype: str = "auto", engine: Engine | None = None,
                  prompts: list[list[int]] | None = None, repeats: int = 3,
@@ -293,60 +213,3 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
                 "threads": torch.get_num_threads()},
         gemm_probe_us=probes,
     )
-
-
-# The regimes of ``dspine bench engine --sweep``: (name, sampling overrides, max_new_tokens, concurrency).
-SWEEP_REGIMES = (
-    ("greedy, 128 new tokens", {}, 128, 1),
-    ("greedy, first 48 new tokens", {}, 48, 1),
-    ("temperature 0.7", {"temperature": 0.7}, 128, 1),
-    ("temperature 0.7, top-p 0.9", {"temperature": 0.7, "top_p": 0.9}, 128, 1),
-    ("8 in flight, greedy", {}, 128, 8),
-    ("8 in flight, temperature 0.7", {"temperature": 0.7}, 128, 8),
-)
-
-
-def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
-                regimes=SWEEP_REGIMES) -> list[dict]:
-    """Every regime through :func:`bench_engine` on one engine (target-only and speculative interleaved,
-    paired repeats); one row per regime with the same-run ratio and the speculation policy's drafting
-    share. With 8 in flight the prompts are repeated so that every group holds 8 requests."""
-    prompts = heldout_prompts(engine, num_prompts, prompt_len)
-    policy = engine.scheduler.policy
-    rows = []
-    for name, overrides, max_new_tokens, concurrency in regimes:
-        params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
-        group = prompts if concurrency == 1 else (prompts * concurrency)[: max(len(prompts), concurrency)]
-        steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
-        report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
-                              repeats=repeats)
-        share = None
-        if policy is not None:
-            decode = policy.num_decode_steps - steps_before[0]
-            share = (policy.num_drafting_steps - steps_before[1]) / decode if decode else 0.0
-        rows.append({"regime": name, "speedup": report.speedup, "run_speedups": report.run_speedups,
-                     "target_only_tokens_per_s": report.target_only_tokens_per_s,
-                     "speculative_tokens_per_s": report.speculative_tokens_per_s,
-                     "mean_accepted_len": report.mean_accepted_len, "mean_verified_len": report.mean_verified_len,
-                     "drafting_share": share, "identical_greedy_output": report.identical_greedy_output})
-    return rows
-
-
-def format_sweep(rows: list[dict]) -> str:
-    """The sweep as one table (ratios against target-only measured in the same run)."""
-    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'accepted':>9} {'verified':>9}"
-             f" {'drafting':>9}  identical",
-             "-" * 106]
-    def figure(value) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    for row in rows:
-        share = "-" if row["drafting_share"] is None else f"{100 * row['drafting_share']:.0f}%"
-        identical = "" if row["identical_greedy_output"] is None else str(row["identical_greedy_output"])
-        lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
-                     f" t/s {row['speedup']:6.2f}x {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
-                     f" {share:>9}  {identical}")
-    lowest = min(rows, key=lambda row: row["speedup"])
-    lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); drafting = share of the speculative runs' "
-                 "decode steps that drafted")
-    return "\n".join(lines)

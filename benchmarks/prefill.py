@@ -22,10 +22,10 @@ def _measure(target_dir: str, draft_dir: str | None, prompt_len: int, chunk: int
     (the baseline of the memory figure; its sampled token is not meaningful)."""
     import torch
 
-    from .config import EngineConfig
-    from .engine import Engine
-    from .memory_probe import PeakLiveTensors
-    from .sampling import SamplingParams
+    from dspine.replica.config import EngineConfig
+    from dspine.replica.engine import Engine
+    from dspine.replica.memory_probe import PeakLiveTensors
+    from dspine.replica.sampling import SamplingParams
 
     engine = Engine.from_pretrained(target_dir, draft_dir, EngineConfig(
         device="cpu", dtype="float32", prefill_chunk_tokens=chunk, max_seq_len=prompt_len + 64, max_concurrency=1,
@@ -59,7 +59,7 @@ def bench_prefill(target_dir: str, draft_dir: str | None, prompt_len: int = 4096
     modes = {}
     for name, tokens, all_logits in (("all logits", prompt_len, True), ("unchunked", prompt_len, False),
                                      ("chunked", chunk, False)):
-        code = (f"import json; from dspine.replica.bench_prefill import _measure; "
+        code = (f"import json; from dspine.benchmarks.prefill import _measure; "
                 f"print(json.dumps(_measure({target_dir!r}, {draft_dir!r}, {prompt_len}, {tokens}, {speculative}, "
                 f"{all_logits})))")
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
@@ -74,6 +74,7 @@ def bench_prefill(target_dir: str, draft_dir: str | None, prompt_len: int = 4096
 
 
 def format_report(r: dict) -> str:
+    """``bench_prefill``'s result as the table ``dspine bench prefill`` prints."""
     mib = 1 << 20
     lines = [f"prefill of {r['prompt_len']:,} tokens (speculative={r['speculative']}): unchunked vs "
              f"{r['chunk']}-token chunks, same run"]

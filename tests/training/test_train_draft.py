@@ -9,9 +9,11 @@ import torch
 from dspine.replica import Engine, EngineConfig
 from dspine.replica.models.dspine_checkpoint import load_draft_args
 from dspine.replica.sampling import SamplingParams
-from dspine.replica.train.draft import (DraftTrainConfig, block_labels, greedy_continue, row_weights, sample_anchors,
-                                        train_draft)
-from dspine.replica.train.target import TargetTrainConfig, train_target
+from dspine.training.draft import DraftTrainConfig, sample_continuations, train_draft
+from dspine.training.draft.anchors import sample_anchors
+from dspine.training.draft.labels import block_labels
+from dspine.training.draft.losses import row_weights
+from dspine.training.target import TargetTrainConfig, train_target
 
 TINY_TARGET = (("hidden_size", 64), ("intermediate_size", 128), ("num_layers", 3), ("feature_layers", (0, 1, 2)),
                ("num_heads", 2), ("num_kv_heads", 1), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4))
@@ -78,9 +80,16 @@ def test_labels_are_the_target_greedy_continuation(target_dir):
     target = load_target(target_dir).eval()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, target.args.vocab_size, (3, 7), generator=g)
-    out = greedy_continue(target, prompts, 20)
+    out = sample_continuations(target, prompts, 20)  # temperature 0: greedy
     for b in range(3):
         assert out[b, 7:].tolist() == reference_generate(target, prompts[b].tolist(), 13)
+    # sampled (the test suite's quick distillation): the prompt kept, the draws the generator's
+    def sampled(seed):
+        return sample_continuations(target, prompts, 20, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+
+    first = sampled(1)
+    assert torch.equal(first[:, :7], prompts) and torch.equal(sampled(1), first)
+    assert not torch.equal(first, out) and not torch.equal(sampled(2), first)
 
 
 def test_anchor_range_and_row_weights():
@@ -111,7 +120,7 @@ def test_tail_loss_scores_equal_serving_tail_tables():
     from dspine.replica.models.dspine_config import DraftArgs
     from dspine.replica.models.target_config import TargetArgs
     from dspine.replica.tail import TailTables, conditional_tables
-    from dspine.replica.train.draft import tail_hidden
+    from dspine.training.draft.losses import tail_hidden
 
     targs = TargetArgs.from_name("tiny-qwen3")
     d = init_random_drafter(targs, DraftArgs.for_target(targs, window=32, feature_layers=(0, 1)), seed=1)
@@ -148,7 +157,8 @@ def test_block_labels_follow_the_target_greedy_path():
 
 
 def test_soft_labels_read_the_labels_position_and_reduce_to_cross_entropy():
-    from dspine.replica.train.draft import SoftLabels, soft_cross_entropy
+    from dspine.training.draft.labels import SoftLabels
+    from dspine.training.draft.losses import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     n, length, k, vocab = 2, 40, 5, 30
@@ -178,7 +188,7 @@ def test_distil_with_soft_labels(target_dir, tmp_path):
 def test_a_larger_run_extends_a_smaller_cache_exactly(target_dir, tmp_path):
     from dspine.replica.models.loader import load_target
     from dspine.replica.tokenizer import Tokenizer
-    from dspine.replica.train.draft import distillation_data
+    from dspine.training.draft.data import distillation_data
 
     target, tokenizer = load_target(target_dir).eval(), Tokenizer.from_dir(target_dir)
     cfg = _config(target_dir, tmp_path)

@@ -7,8 +7,8 @@ import statistics
 import pytest
 
 from dspine import embedded
-from dspine.cluster.bench import bench_sweep_server
-from dspine.replica.bench import format_sweep
+from dspine.benchmarks.sweep import format_sweep
+from dspine.benchmarks.sweep_server import bench_sweep_server
 
 REGIMES = (("greedy, 6 tokens", {}, 6, 1), ("2 in flight, temperature 0.7", {"temperature": 0.7}, 5, 2))
 

@@ -1,0 +1,66 @@
+"""``dspine bench engine --sweep``: every sampling / concurrency regime through ``bench_engine`` on one engine."""
+
+from __future__ import annotations
+
+from dspine.replica.engine import Engine
+from dspine.replica.sampling import SamplingParams
+
+from .engine import bench_engine
+from .prompts import heldout_prompts
+
+
+# The regimes of ``dspine bench engine --sweep``: (name, sampling overrides, max_new_tokens, concurrency).
+SWEEP_REGIMES = (
+    ("greedy, 128 new tokens", {}, 128, 1),
+    ("greedy, first 48 new tokens", {}, 48, 1),
+    ("temperature 0.7", {"temperature": 0.7}, 128, 1),
+    ("temperature 0.7, top-p 0.9", {"temperature": 0.7, "top_p": 0.9}, 128, 1),
+    ("8 in flight, greedy", {}, 128, 8),
+    ("8 in flight, temperature 0.7", {"temperature": 0.7}, 128, 8),
+)
+
+
+def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
+                regimes=SWEEP_REGIMES) -> list[dict]:
+    """Every regime through :func:`bench_engine` on one engine (target-only and speculative interleaved,
+    paired repeats); one row per regime with the same-run ratio and the speculation policy's drafting
+    share. With 8 in flight the prompts are repeated so that every group holds 8 requests."""
+    prompts = heldout_prompts(engine, num_prompts, prompt_len)
+    policy = engine.scheduler.policy
+    rows = []
+    for name, overrides, max_new_tokens, concurrency in regimes:
+        params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
+        group = prompts if concurrency == 1 else (prompts * concurrency)[: max(len(prompts), concurrency)]
+        steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
+        report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
+                              repeats=repeats)
+        share = None
+        if policy is not None:
+            decode = policy.num_decode_steps - steps_before[0]
+            share = (policy.num_drafting_steps - steps_before[1]) / decode if decode else 0.0
+        rows.append({"regime": name, "speedup": report.speedup, "run_speedups": report.run_speedups,
+                     "target_only_tokens_per_s": report.target_only_tokens_per_s,
+                     "speculative_tokens_per_s": report.speculative_tokens_per_s,
+                     "mean_accepted_len": report.mean_accepted_len, "mean_verified_len": report.mean_verified_len,
+                     "drafting_share": share, "identical_greedy_output": report.identical_greedy_output})
+    return rows
+
+
+def format_sweep(rows: list[dict]) -> str:
+    """The sweep as one table (ratios against target-only measured in the same run)."""
+    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'accepted':>9} {'verified':>9}"
+             f" {'drafting':>9}  identical",
+             "-" * 106]
+    def figure(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    for row in rows:
+        share = "-" if row["drafting_share"] is None else f"{100 * row['drafting_share']:.0f}%"
+        identical = "" if row["identical_greedy_output"] is None else str(row["identical_greedy_output"])
+        lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
+                     f" t/s {row['speedup']:6.2f}x {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
+                     f" {share:>9}  {identical}")
+    lowest = min(rows, key=lambda row: row["speedup"])
+    lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); drafting = share of the speculative runs' "
+                 "decode steps that drafted")
+    return "\n".join(lines)

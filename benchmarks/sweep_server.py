@@ -1,0 +1,48 @@
+"""``dspine bench engine --sweep --through-server``: the sweep's regimes through the standalone gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+from .load import run_load
+from .servers import StandaloneServer
+from .sweep import SWEEP_REGIMES
+
+
+def bench_sweep_server(prompts: list[list[int]], repeats: int = 3, seed: int = 0, regimes=None, threads: int = 2,
+                       target_dir=None, draft_dir=None) -> list[dict]:
+    """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
+    through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
+    the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
+    median of the paired ratios. Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
+    counters live in the server, so acceptance and drafting share are not reported)."""
+    regimes = SWEEP_REGIMES if regimes is None else regimes
+    server = StandaloneServer(threads, 8, target_dir, draft_dir)
+    rows = []
+    try:
+        asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
+                             dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
+        for name, overrides, max_new_tokens, concurrency in regimes:
+            group = prompts if concurrency == 1 else (prompts * concurrency)[: max(len(prompts), concurrency)]
+            sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            tokens: dict[bool, list[int]] = {False: [], True: []}
+            for repeat in range(repeats):
+                for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
+                    report = asyncio.run(run_load(server.address, name, group, concurrency,
+                                                  {**sampling, "speculative": speculative}))
+                    if report.errors:
+                        raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
+                    rates[speculative].append(report.tokens_per_s)
+                    tokens[speculative].append(report.tokens)
+            ratios = [spec / base for spec, base in zip(rates[True], rates[False])]
+            rows.append({"regime": name, "speedup": statistics.median(ratios), "run_speedups": ratios,
+                         "target_only_tokens_per_s": statistics.median(rates[False]),
+                         "speculative_tokens_per_s": statistics.median(rates[True]),
+                         "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,
+                         "identical_greedy_output": None,
+                         "tokens": {"target_only": tokens[False], "speculative": tokens[True]}})
+    finally:
+        server.close()
+    return rows
