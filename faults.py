@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["FAULTS", "MEMORY_FAULTS", "POLICY_FAULTS", "active", "inject"]
+__all__ = ["FAULTS", "MEMORY_FAULTS", "active", "inject"]
 
 FAULTS: dict[str, str] = {
     "tail.q_from_wrong_row": "the tail's q (and confidence) read the table row of the token's own slot "
@@ -53,13 +53,6 @@ MEMORY_FAULTS: dict[str, str] = {
                                   "K/V blocks to the pool",
 }
 
-# Faults of the speculation policy's economics (lossless either way): each is caught by the
-# policy test named beside it.
-POLICY_FAULTS: dict[str, str] = {
-    # tests/replica/test_speculation_policy.py::test_probes_that_lose_are_paid_from_a_budget
-    "policy.probes_ignore_budget": "the policy probes on its doubling clock alone, whatever probes have cost",
-}
-
 _active: frozenset[str] = frozenset()
 
 
@@ -72,7 +65,7 @@ def active(name: str) -> bool:
 def inject(*names: str) -> Iterator[None]:
     """Switch the named faults on for the duration of the block (tests only)."""
     global _active
-    known = {**FAULTS, **MEMORY_FAULTS, **POLICY_FAULTS}
+    known = {**FAULTS, **MEMORY_FAULTS}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"names: unknown fault(s) {unknown}; known: {sorted(known)}")

@@ -21,16 +21,6 @@ target-only step. When target-only wins, a probe step drafts again after a
 while (4 steps, doubling up to 64 while speculation keeps losing) so a request
 whose text becomes predictable is noticed.
 
-Probes are paid from a budget, so that speculation that does not pay costs at
-most ``_PROBE_BUDGET_SHARE`` of the decode time: every target-only step adds that
-share of its predicted seconds to the budget, and every probe, once its cycles
-are known, takes out what it cost beyond a target-only step that would have
-committed as many tokens (a probe that paid adds its gain). A probe waits until
-the budget covers it. With 8 requests in flight on a CPU, where a probe costs
-about one target step and finds nothing, that spaces probes about 70 steps
-apart instead of 4-64; where probes keep paying (a greedy request entering a
-predictable stretch) the budget grows and they are not held back.
-
 Lossless by construction: a plan is made before the step drafts anything,
 from past cycles and timings only, so whether a row is verified never depends
 on the token drawn at that row (the tail's confidence cut, applied on top,
@@ -41,8 +31,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-
-from dspine import faults
 
 __all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", "StepPlan"]
 
@@ -60,9 +48,6 @@ _MAX_PROBE_INTERVAL = 64
 # row is accepted about half the time, so four rows tell it all and cost less.
 _PROBE_ROWS = {"greedy": 15, "sampled": 4}
 _PROBE_REQUESTS = 2  # requests a probe drafts at most (the ones that drafted longest ago)
-# Share of the decode time that probes which do not pay may cost: the sweep's floor is 0.97x
-# target-only, and the drafter's context prefill takes about 1% of it.
-_PROBE_BUDGET_SHARE = 0.015
 
 
 class LinearCost:
@@ -235,10 +220,6 @@ class SpeculationPolicy:
         self._last_drafted: dict[str, int] = {}  # request id -> the decode step it last drafted in
         self._steps_without_draft = 0
         self._probe_interval = _FIRST_PROBE_INTERVAL
-        # Seconds probes may still cost beyond what they return (negative: in debt), and the probe
-        # whose cycles are not settled yet: (its rows per request, the step's requests, accepted so far).
-        self.probe_budget = 0.0
-        self._unsettled_probe: tuple[dict[str, int], int, dict[str, int]] | None = None
         self.num_probes = 0
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
@@ -262,8 +243,6 @@ class SpeculationPolicy:
         for request_id in candidates:
             self.profile(request_id, request_id in sampled)
         self.num_decode_steps += 1
-        self._settle_probe()
-        batch = len(candidates) + num_target_only
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
         rows = self._best_rows(candidates, num_target_only)
@@ -271,32 +250,15 @@ class SpeculationPolicy:
             self._probe_interval = _FIRST_PROBE_INTERVAL
             return self._drafting(StepPlan(rows))
         self._steps_without_draft += 1
-        self.probe_budget += _PROBE_BUDGET_SHARE * self.costs.step_seconds(0, 0, batch)
-        affordable = self.probe_budget >= 0 or faults.active("policy.probes_ignore_budget")
-        if self._steps_without_draft >= self._probe_interval and affordable:
+        if self._steps_without_draft >= self._probe_interval:
             self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
             oldest = sorted((r for r, m in candidates.items() if m > 0), key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS["sampled" if r in sampled else "greedy"])
                      for r in oldest[:_PROBE_REQUESTS]}
-            if probe:
-                self._unsettled_probe = (probe, batch, dict.fromkeys(probe, 0))
-                self.num_probes += 1
+            self.num_probes += bool(probe)
             return self._drafting(StepPlan(probe, is_probe=True))
         return StepPlan({})
-
-    def _settle_probe(self) -> None:
-        """Charge the last probe, its cycles now observed, to the budget: its predicted seconds
-        (the cost model has just measured that step) less those of target-only steps committing
-        as many tokens."""
-        if self._unsettled_probe is None:
-            return
-        probe, batch, accepted = self._unsettled_probe
-        self._unsettled_probe = None
-        probe_seconds = self.costs.step_seconds(len(probe), len(probe) + sum(probe.values()), batch - len(probe))
-        tokens = batch + sum(accepted.values())
-        target_only_seconds = self.costs.step_seconds(0, 0, batch) * tokens / batch
-        self.probe_budget += target_only_seconds - probe_seconds
 
     def _drafting(self, plan: StepPlan) -> StepPlan:
         for request_id in plan.draft_rows:
@@ -347,8 +309,6 @@ class SpeculationPolicy:
     # ------------------------------------------------------------ learning
     def observe_cycle(self, request_id: str, num_verified: int, accepted_len: int) -> None:
         self.profile(request_id).observe(num_verified, accepted_len)
-        if self._unsettled_probe is not None and request_id in self._unsettled_probe[0]:
-            self._unsettled_probe[2][request_id] = accepted_len
 
     def forget(self, request_id: str) -> None:
         self._profiles.pop(request_id, None)
