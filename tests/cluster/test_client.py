@@ -8,8 +8,8 @@ import sys
 import grpc
 import pytest
 
-from dspine.cluster import client as sdk
 from dspine.cluster.client import DSpineClient, RetryPolicy, build_generate_request
+from dspine.cluster.client.spans import trace_metadata
 from dspine.cluster.client_errors import InvalidArgument, ResourceExhausted, Unavailable
 from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
@@ -145,7 +145,7 @@ def test_trace_context_injected_when_a_span_is_active(client):
     trace = pytest.importorskip("opentelemetry.trace")
     from opentelemetry.sdk.trace import TracerProvider
 
-    assert sdk._trace_metadata() == []  # no active span
+    assert trace_metadata() == []  # no active span
     tracer = TracerProvider().get_tracer("test")
     seen = []
     client._stub.GetModelInfo = lambda request, timeout=None, metadata=None: seen.append(metadata) or pb.ModelInfo()
