@@ -124,7 +124,8 @@ def _bench_kv_layouts(args, target_dir: str, draft_dir: str) -> int:
 
 
 def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
-    from dspine.replica import Engine, bench
+    from dspine.replica import Engine
+    from dspine.replica import bench
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=8))
@@ -156,7 +157,8 @@ def _bench_engine(args, target_dir: str, draft_dir: str) -> int:
         except PlotUnavailableError as e:
             print(f"dspine bench: error: {e}", file=sys.stderr)
             return 2
-    from dspine.replica import Engine, SamplingParams, bench
+    from dspine.replica import Engine, SamplingParams
+    from dspine.replica import bench
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=max(args.concurrency, 1)))
