@@ -1,16 +1,19 @@
-"""Client SDK behaviour that needs no server: retries, request building, trace context, imports."""
+"""Client SDK behaviour that needs no server: retries (sync and asyncio faces), request building, trace
+context, imports."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from dspine.cluster import client as sdk
-from dspine.cluster.client import DSpineClient, RetryPolicy, build_generate_request
-from dspine.cluster.client_errors import InvalidArgument, ResourceExhausted, Unavailable
+from dspine.cluster.client import AsyncDSpineClient, DSpineClient, RetryPolicy, build_generate_request
+from dspine.cluster.client.retry import Attempts, Deadline
+from dspine.cluster.client.spans import trace_metadata
+from dspine.cluster.client_errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.002)
@@ -145,7 +148,7 @@ def test_trace_context_injected_when_a_span_is_active(client):
     trace = pytest.importorskip("opentelemetry.trace")
     from opentelemetry.sdk.trace import TracerProvider
 
-    assert sdk._trace_metadata() == []  # no active span
+    assert trace_metadata() == []  # no active span
     tracer = TracerProvider().get_tracer("test")
     seen = []
     client._stub.GetModelInfo = lambda request, timeout=None, metadata=None: seen.append(metadata) or pb.ModelInfo()
@@ -162,3 +165,98 @@ def test_client_imports_without_ray_or_torch():
             "bad = [m for m in ('ray', 'torch', 'dspine.replica') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ------------------------------------------------ the asyncio face shares the core
+def run_async(make_test):
+    """Run ``make_test(client)`` on an AsyncDSpineClient (never connects: stubs are faked)."""
+    async def main():
+        async with AsyncDSpineClient("127.0.0.1:1", retry=FAST) as client:
+            return await make_test(client)
+
+    return asyncio.run(main())
+
+
+def async_failing(codes, result):
+    method, calls = failing(codes, result)
+
+    async def async_method(request, timeout=None, metadata=None):
+        return method(request, timeout, metadata)
+
+    return async_method, calls
+
+
+def test_async_unary_retries_and_typed_errors_as_the_sync_client():
+    tokenize, tokenize_calls = async_failing([grpc.StatusCode.UNAVAILABLE] * 2, pb.TokenizeResponse(token_ids=[3]))
+    generate, generate_calls = async_failing([grpc.StatusCode.RESOURCE_EXHAUSTED], None)
+
+    async def check(client):
+        client._stub.Tokenize, client._stub.Generate = tokenize, generate
+        assert await client.tokenize("x") == [3]
+        with pytest.raises(ResourceExhausted):
+            await client.generate(token_ids=[1])
+
+    run_async(check)
+    assert (len(tokenize_calls), len(generate_calls)) == (3, 1)
+
+
+class FakeAsyncStreamCall:
+    def __init__(self, items):
+        self._items = list(items)
+        self.cancelled = False
+
+    async def read(self):
+        if not self._items:
+            return grpc.aio.EOF
+        item = self._items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_async_stream_retried_only_before_first_message():
+    chunk = pb.GenerateStreamResponse(request_id="r", token_ids=[7])
+    last = pb.GenerateStreamResponse(request_id="r", token_ids=[8], finish_reason=pb.FINISH_REASON_LENGTH)
+    plans = [[FakeRpcError(grpc.StatusCode.UNAVAILABLE)], [chunk, last],  # the first stream: retried, then ends
+             [chunk, FakeRpcError(grpc.StatusCode.UNAVAILABLE)]]  # the second fails after a message: not retried
+    starts = []
+
+    def start(request, timeout=None, metadata=None):
+        starts.append(FakeAsyncStreamCall(plans[len(starts)]))
+        return starts[-1]
+
+    async def check(client):
+        client._stub.GenerateStream = start
+        chunks = [c async for c in client.generate_stream(token_ids=[1])]
+        assert [c.token_ids for c in chunks] == [[7], [8]] and chunks[-1].finish_reason == "length"
+        stream = client.generate_stream(token_ids=[1])
+        assert (await stream.__anext__()).token_ids == [7]
+        with pytest.raises(Unavailable):
+            await stream.__anext__()
+
+    run_async(check)
+    assert len(starts) == 3
+
+
+def test_health_is_one_try(client):
+    method, calls = failing([grpc.StatusCode.UNAVAILABLE] * 9, None)
+    client._health_stub = type("FakeHealth", (), {"Check": staticmethod(method)})()
+    with pytest.raises(Unavailable):
+        client.health()
+    assert len(calls) == 1  # a health check reports what it finds, it does not wait it out
+
+
+def test_attempts_stop_at_the_deadline_and_on_codes_not_retried():
+    with pytest.raises(DeadlineExceeded):
+        next(iter(Attempts(FAST, Deadline(0.0))))
+    attempts = Attempts(FAST, Deadline(None))
+    assert 0 < attempts.backoff_after(FakeRpcError(grpc.StatusCode.UNAVAILABLE)) <= FAST.max_backoff_s * 1.2
+    with pytest.raises(ResourceExhausted):
+        attempts.backoff_after(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED))
+    spent = Attempts(RetryPolicy(max_attempts=2, initial_backoff_s=0.001), Deadline(None))
+    spent.backoff_after(FakeRpcError(grpc.StatusCode.UNAVAILABLE))
+    with pytest.raises(Unavailable):  # two tries in all
+        spent.backoff_after(FakeRpcError(grpc.StatusCode.UNAVAILABLE))
