@@ -76,3 +76,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (its raw text, special tokens included), or None."""
+        return self.tokenizer.id_to_token(int(token_id))
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the beginning-of-sequence token (what a chat template calls ``bos_token``), or None."""
+        return self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the first end-of-sequence token (a chat template's ``eos_token``), or None."""
+        return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
