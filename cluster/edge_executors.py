@@ -16,8 +16,8 @@ held a 2-token Generate for 8 s, and refusals waited for a free thread):
 - **cancel**: ``engine.cancel`` on a single thread of its own: a cancel
   queues behind nothing but other cancels.
 
-Fault point ``servicer.shared_executor`` puts all three in the tokenize pool
-(the old design) to show that the tests catch it.
+Fault point ``servicer.shared_executor`` puts all three in one pool sized like
+the loop's default executor (the old design) to show that the tests catch it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 from typing import Callable, TypeVar
 
 from dspine import faults
@@ -80,20 +81,31 @@ class EdgeExecutors:
         self.tokenize = BoundedExecutor("tokenize", tokenize_threads, max_waiting)
         self.admission = BoundedExecutor("admission", admission_threads, max_waiting)
         self._cancel = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dspine-cancel")
+        self._shared: BoundedExecutor | None = None  # the old design, only under the fault point
 
-    def _for(self, pool: BoundedExecutor) -> BoundedExecutor:
-        return self.tokenize if faults.active("servicer.shared_executor") else pool
+    def _shared_pool(self) -> BoundedExecutor:
+        if self._shared is None:  # like the loop's default executor: min(32, cpus + 4) threads, no bound
+            self._shared = BoundedExecutor("shared", min(32, (os.cpu_count() or 1) + 4), 1 << 30)
+        return self._shared
+
+    def tokenize_pool(self) -> BoundedExecutor:
+        """The pool Tokenize / Detokenize run in."""
+        return self._shared_pool() if faults.active("servicer.shared_executor") else self.tokenize
+
+    def admission_pool(self) -> BoundedExecutor:
+        """The pool that encodes and admits generate requests."""
+        return self._shared_pool() if faults.active("servicer.shared_executor") else self.admission
 
     async def run_tokenize(self, fn: Callable[..., T], *args) -> T:
-        return await self.tokenize.run(fn, *args)
+        return await self.tokenize_pool().run(fn, *args)
 
     async def run_admission(self, fn: Callable[..., T], *args) -> T:
-        return await self._for(self.admission).run(fn, *args)
+        return await self.admission_pool().run(fn, *args)
 
     def cancel_soon(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args) -> None:
         """Run ``fn(*args)`` (an engine cancel) on the cancel thread; nobody waits for it."""
         if faults.active("servicer.shared_executor"):
-            loop.create_task(self._logged(self.tokenize.run(fn, *args)))
+            loop.create_task(self._logged(self._shared_pool().run(fn, *args)))
             return
         try:
             future = self._cancel.submit(fn, *args)
@@ -108,8 +120,9 @@ class EdgeExecutors:
 
     def shutdown(self) -> None:
         """Stop the threads (waiting work is dropped: the engine's shutdown cancels its requests)."""
-        self.tokenize.shutdown()
-        self.admission.shutdown()
+        for pool in (self.tokenize, self.admission, self._shared):
+            if pool is not None:
+                pool.shutdown()
         self._cancel.shutdown(wait=False)
 
 

@@ -46,81 +46,68 @@ class BlockingTokenizer:
         return getattr(self._tokenizer, name)
 
 
-@pytest.fixture
-def tokenization_jammed(serve, gate_for, tokenizer):
-    """A server whose tokenize threads are all busy with blocked Tokenize calls (and more wait for
-    them); yields ``(server, engine, gate)``; the calls are released at teardown."""
+@pytest.fixture(params=[None, "servicer.shared_executor"], ids=["fixed", "shared-executor"])
+def tokenization_jammed(request, serve, gate_for, tokenizer):
+    """A server with one stream in flight (the closed gate holds its steps) whose tokenize threads
+    are then all held by blocked Tokenize calls, more waiting for them. Yields ``(engine, gate,
+    client, stream)``; ``request.param`` (a fault point or None) is active throughout."""
+    fault = request.param
+    with faults.inject(*([fault] if fault else [])):
+        yield from _jam(serve, gate_for, tokenizer)
+
+
+def _jam(serve, gate_for, tokenizer):
     engine = make_engine(tokenizer, with_drafter=False)
     gate = gate_for(engine)
     server = serve(engine)
+    client = DSpineClient(server.address, timeout=60, retry=RetryPolicy(max_attempts=1))
+    stream = client.generate_stream(token_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True)
+    wait_until(lambda: engine.num_unfinished() == 1, 15, "the first stream admitted")
     service = server.server.servicer.service
     blocking = BlockingTokenizer(service.tokenizer)
     service.tokenizer = blocking
-    pool = service.executors.tokenize
+    pool = service.executors.tokenize_pool()
     channel = grpc.insecure_channel(server.address)
     stub = pb_grpc.DSpineStub(channel)
     calls = [stub.Tokenize.future(pb.TokenizeRequest(text=BLOCKED_TEXT), timeout=90) for _ in range(pool.threads + 3)]
     try:
         wait_until(lambda: blocking.entered == pool.threads and pool.pending == len(calls), 20,
                    "every tokenize thread held, three calls waiting")
-        yield server, engine, gate
+        yield engine, gate, client, stream
         assert blocking.entered == pool.threads, "a tokenize call ran while the threads were held"
     finally:
         blocking.release.set()
         results = [call.result() for call in calls]
         channel.close()
-    assert all(len(r.token_ids) > 0 for r in results)  # the held calls finish normally once released
-
-
-def _generate_goes_through(server, engine, gate, wait_s: float = 15):
-    with DSpineClient(server.address, timeout=60, retry=RetryPolicy(max_attempts=1)) as client:
-        stream = client.generate_stream("def wrap(text, width):", max_new_tokens=4)
-        # a text prompt: encoded and admitted by the admission threads (the closed gate holds its steps)
-        wait_until(lambda: engine.num_unfinished() == 1, wait_s, "the text prompt admitted")
         gate.open()
-        chunks = list(stream)
-        assert chunks[-1].finish_reason in ("stop", "length")
-        assert sum(len(c.token_ids) for c in chunks) <= 4
+        client.close()
+    assert all(len(r.token_ids) > 0 for r in results)  # the held calls finish normally once released
+    wait_until(lambda: idle(engine), what="no live state")
 
 
-@pytest.mark.parametrize("fault", [None, "servicer.shared_executor"], ids=["fixed", "shared-executor"])
-def test_admission_goes_through_while_tokenization_fills_its_threads(tokenization_jammed, fault):
-    if fault is None:
-        _generate_goes_through(*tokenization_jammed)
+def _admission_goes_through(engine, gate, client, stream, wait_s: float):
+    second = client.generate_stream("def wrap(text, width):", max_new_tokens=4)
+    # a text prompt: encoded and admitted by the admission threads
+    wait_until(lambda: engine.num_unfinished() == 2, wait_s, "the text prompt admitted")
+    gate.open()
+    chunks = list(second)
+    assert chunks[-1].finish_reason in ("stop", "length")
+    assert sum(len(c.token_ids) for c in chunks) <= 4
+
+
+def _cancel_goes_through(engine, gate, client, stream, wait_s: float):
+    stream.cancel()
+    wait_until(lambda: engine.num_unfinished() == 0, wait_s, "the cancel freed the request")
+
+
+@pytest.mark.parametrize("call", [_admission_goes_through, _cancel_goes_through], ids=["admission", "cancel"])
+def test_admission_and_cancel_go_through_while_tokenization_fills_its_threads(request, tokenization_jammed, call):
+    if request.node.callspec.params["tokenization_jammed"] is None:  # no fault injected
+        call(*tokenization_jammed, wait_s=15)
         return
-    with faults.inject(fault), pytest.raises(AssertionError, match="the text prompt admitted"):
-        _generate_goes_through(*tokenization_jammed, wait_s=3)  # admission waits behind tokenization
-
-
-def _cancel_goes_through(server, engine, gate):
-    with DSpineClient(server.address, timeout=15, retry=RetryPolicy(max_attempts=1)) as client:
-        stream = client.generate_stream(token_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True)
-        wait_until(lambda: engine.num_unfinished() == 1, 15, "admitted")  # the closed gate holds its steps
-        stream.cancel()
-        wait_until(lambda: idle(engine), 15, "the cancel freed the request")
-
-
-def test_cancel_goes_through_while_tokenization_fills_its_threads(tokenization_jammed):
-    _cancel_goes_through(*tokenization_jammed)
-
-
-def test_cancel_waits_behind_tokenization_with_a_shared_executor(serve, gate_for, tokenizer):
-    engine = make_engine(tokenizer, with_drafter=False)
-    gate = gate_for(engine)
-    server = serve(engine)
-    service = server.server.servicer.service
-    with DSpineClient(server.address, timeout=15, retry=RetryPolicy(max_attempts=1)) as client:
-        stream = client.generate_stream(token_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True)
-        wait_until(lambda: engine.num_unfinished() == 1, 15, "admitted")  # the closed gate holds its steps
-        release = threading.Event()
-        with faults.inject("servicer.shared_executor"):
-            for _ in range(service.executors.tokenize.threads):  # the test hook: every thread held
-                service.executors.tokenize.pool.submit(release.wait, 60)
-            stream.cancel()
-            with pytest.raises(AssertionError, match="the cancel freed the request"):
-                wait_until(lambda: idle(engine), 3, "the cancel freed the request")
-            release.set()
-        wait_until(lambda: idle(engine), 15, "the cancel, once tokenization let go")
+    # the old design: admission and cancel wait behind the held tokenize calls
+    with pytest.raises(AssertionError, match="the text prompt admitted|the cancel freed the request"):
+        call(*tokenization_jammed, wait_s=3)
 
 
 class StepHold:

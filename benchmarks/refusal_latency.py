@@ -1,0 +1,155 @@
+"""Probe: how fast does a full standalone server say RESOURCE_EXHAUSTED? (issue 20, item 7)
+
+    python benchmarks/refusal_latency.py [--streams 200] [--slots 8] [--seconds 20] [--no-baseline]
+
+Serves the embedded pair with ``max_concurrency = --slots`` on a local socket and
+opens ``--streams`` concurrent GenerateStream callers. Each caller loops: open a
+stream (token-id prompt, ``--max-new-tokens`` long, so admitted streams keep
+their slots busy), read it to the end if admitted, or record how long the
+RESOURCE_EXHAUSTED answer took and try again after a short pause. Meanwhile
+``--tokenizers`` callers send Tokenize calls of ``--tokenize-chars`` characters,
+so tokenization competes for the server's threads as it does in production.
+
+It prints p50 / p90 / max of the refusal latency and the share over 2 s, first
+for the old design (baseline: admission and tokenization in one shared
+executor, and a full engine found only by ``engine.add_request`` behind the
+engine lock; the fault points ``servicer.shared_executor`` and
+``servicer.admission_waits_for_engine`` restore it), then for this build, and
+their ratio, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import threading
+import time
+
+import grpc
+
+from dspine import embedded, faults
+from dspine.cluster.server import DSpineServer, ServerConfig
+from dspine.protos.dspine.v1 import dspine_pb2 as pb
+from dspine.protos.dspine.v1 import dspine_pb2_grpc as pb_grpc
+from dspine.replica import Engine, EngineConfig
+
+OLD_DESIGN = ("servicer.shared_executor", "servicer.admission_waits_for_engine")
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=200, help="concurrent GenerateStream callers")
+    p.add_argument("--slots", type=int, default=8, help="the engine's max_concurrency")
+    p.add_argument("--seconds", type=float, default=20.0, help="how long each phase runs")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="length of an admitted stream")
+    p.add_argument("--tokenizers", type=int, default=4, help="concurrent Tokenize callers (0: none)")
+    p.add_argument("--tokenize-chars", type=int, default=200_000, help="characters per Tokenize call")
+    p.add_argument("--no-baseline", action="store_true", help="measure this build only")
+    return p.parse_args()
+
+
+class ServerThread:
+    """The standalone server on its own event loop thread (the callers run on the main loop)."""
+
+    def __init__(self, engine: Engine):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="probe-server", daemon=True)
+        self.thread.start()
+        self.server = DSpineServer(engine, ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0))
+        self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(120)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=5.0), self.loop).result(120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+async def _stream_caller(stub, end: float, max_new_tokens: int, seed: int, refusals: list[float],
+                         admitted: list[int]) -> None:
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1 + (seed + n) % 97, 5, 9, 12]),
+                                     sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+                                     speculative=True)
+        start = time.perf_counter()
+        call = stub.GenerateStream(request, timeout=max(end - time.monotonic(), 0.1) + 30)
+        try:
+            async for _ in call:
+                if time.monotonic() >= end:
+                    call.cancel()
+                    break
+            admitted[0] += 1
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refusals.append(time.perf_counter() - start)
+                await asyncio.sleep(0.05)
+            elif e.code() != grpc.StatusCode.CANCELLED:
+                raise
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+
+async def _tokenize_caller(stub, end: float, chars: int, done: list[int]) -> None:
+    text = ("def wrap(text, width): return text " * (chars // 35 + 1))[:chars]
+    while time.monotonic() < end:
+        await stub.Tokenize(pb.TokenizeRequest(text=text), timeout=120)
+        done[0] += 1
+
+
+async def _phase(port: int, args) -> dict:
+    refusals: list[float] = []
+    admitted, tokenized = [0], [0]
+    end = time.monotonic() + args.seconds
+    options = [("grpc.max_send_message_length", 16 << 20)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        stub = pb_grpc.DSpineStub(channel)
+        tasks = [asyncio.create_task(_stream_caller(stub, end, args.max_new_tokens, i, refusals, admitted))
+                 for i in range(args.streams)]
+        tasks += [asyncio.create_task(_tokenize_caller(stub, end, args.tokenize_chars, tokenized))
+                  for _ in range(args.tokenizers)]
+        await asyncio.gather(*tasks)
+    return {"refusals": refusals, "admitted": admitted[0], "tokenized": tokenized[0]}
+
+
+def _summary(name: str, result: dict) -> dict:
+    lat = sorted(result["refusals"])
+    if not lat:
+        print(f"{name:>9}: no refusals (admitted {result['admitted']}); raise --streams")
+        return {}
+    q = statistics.quantiles(lat, n=10) if len(lat) > 1 else [lat[0]] * 9
+    row = {"p50": statistics.median(lat), "p90": q[8], "max": lat[-1],
+           "over_2s": sum(x > 2.0 for x in lat) / len(lat)}
+    print(f"{name:>9}: {len(lat):6d} refusals  p50 {row['p50'] * 1e3:8.1f} ms  p90 {row['p90'] * 1e3:8.1f} ms  "
+          f"max {row['max'] * 1e3:8.1f} ms  over 2 s {row['over_2s']:6.1%}  "
+          f"(admitted streams {result['admitted']}, tokenize calls {result['tokenized']})")
+    return row
+
+
+def main() -> None:
+    args = _parse()
+    if not embedded.available():
+        raise SystemExit("the embedded pair is not in this installation (dspine train target / draft)")
+    engine = Engine.from_pretrained(embedded.TARGET_DIR, embedded.DRAFT_DIR,
+                                    EngineConfig(device="cpu", max_concurrency=args.slots))
+    server = ServerThread(engine)
+    print(f"refusal latency: {args.streams} streams on {args.slots} slots, {args.seconds:g} s per phase, "
+          f"{args.tokenizers} Tokenize callers of {args.tokenize_chars} characters")
+    try:
+        rows = {}
+        if not args.no_baseline:
+            with faults.inject(*OLD_DESIGN):
+                rows["baseline"] = _summary("baseline", asyncio.run(_phase(server.port, args)))
+        rows["this"] = _summary("this", asyncio.run(_phase(server.port, args)))
+        base, this = rows.get("baseline"), rows["this"]
+        if base and this:
+            print("ratio baseline/this: " + "  ".join(f"{k} {base[k] / max(this[k], 1e-9):.1f}x"
+                                                      for k in ("p50", "p90", "max")))
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
