@@ -58,6 +58,9 @@ EDGE_FAULTS: dict[str, str] = {
     # tests/cluster/test_edge_executors.py::test_admission_and_cancel_go_through_while_tokenization_fills_its_threads
     "servicer.shared_executor": "tokenization, admission and cancellation run in one executor, so a cancel or "
                                 "an admission waits for every tokenize call queued before it",
+    # tests/replica/test_tokenizer_gil.py::test_encoding_a_long_text_lets_other_threads_run
+    "tokenizer.encode_holds_gil": "Tokenizer.encode calls tokenizers' plain encode, which holds the GIL for the "
+                                  "whole call (a long text stalls the event loop and the engine thread)",
     # tests/cluster/test_edge_executors.py::test_a_full_engine_refuses_while_a_step_holds_the_engine
     "servicer.admission_waits_for_engine": "a full engine's refusal is found only by engine.add_request (after an "
                                            "executor thread and the engine lock), not by the lock-free load check",

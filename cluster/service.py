@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from typing import AsyncIterator
 
 from dspine import faults
@@ -73,6 +74,8 @@ class DSpineService:
                               if desc.has_chat_template else None)
         self.executors = executors or EdgeExecutors()
         self.accepting = True  # False while draining: new generations get UNAVAILABLE
+        self._admitting = 0  # admissions between the capacity check and engine.add_request's end
+        self._admitting_lock = threading.Lock()  # the count is decremented on admission threads
         engine.start()
 
     def close(self) -> None:
@@ -85,29 +88,58 @@ class DSpineService:
         check_wire(request)
         return validate_generate(generate_input_data(request), self.limits)
 
-    def _refuse_if_full(self) -> None:
-        """RESOURCE_EXHAUSTED at once when every slot is taken (``engine.load()`` is lock-free; the
-        engine's own check in ``add_request`` still decides the requests this one lets through)."""
+    def _claim_slot(self) -> None:
+        """Refuse at once (RESOURCE_EXHAUSTED) when every slot is taken, else count this admission in.
+
+        Taken: the engine's requests (``engine.load()``, lock-free) plus the admissions still
+        being encoded or admitted, so a burst of requests does not all pass while the engine's
+        count lags. The engine's own check in ``add_request`` still has the last word."""
         if faults.active("servicer.admission_waits_for_engine"):
+            with self._admitting_lock:
+                self._admitting += 1
             return
         load = self.engine.load()
-        if load.in_flight >= load.max_concurrency:
-            raise EngineFullError(load.in_flight, load.max_concurrency)
+        with self._admitting_lock:
+            taken = load.in_flight + self._admitting
+            if taken >= load.max_concurrency:
+                raise EngineFullError(taken, load.max_concurrency)
+            self._admitting += 1
+
+    def _release_claim(self) -> None:
+        with self._admitting_lock:
+            self._admitting -= 1
 
     def _prepare_and_add(self, checked: GenerateInput, sink) -> PreparedRequest:
         """Encode the prompt and admit it (on an admission thread: encoding and the engine lock take a while)."""
-        prepared = prepare_generate(checked, self.limits, self.tokenizer, self.chat_template)
-        self.engine.add_request(prepared.prompt_token_ids, prepared.params, prepared.speculative,
-                                prepared.request_id, sink=sink)
+        try:
+            prepared = prepare_generate(checked, self.limits, self.tokenizer, self.chat_template)
+            self.engine.add_request(prepared.prompt_token_ids, prepared.params, prepared.speculative,
+                                    prepared.request_id, sink=sink)
+        finally:  # in the engine's count now, or refused: either way no longer an admission in progress
+            self._release_claim()
         return prepared
+
+    async def _run_admission(self, checked: GenerateInput, sink) -> PreparedRequest:
+        ran = []  # whether _prepare_and_add started (it releases the claim itself)
+
+        def admit() -> PreparedRequest:
+            ran.append(True)
+            return self._prepare_and_add(checked, sink)
+
+        try:
+            return await self.executors.run_admission(admit)
+        except BaseException:
+            if not ran:  # refused by the admission pool, or the pool stopped: the claim is still ours
+                self._release_claim()
+            raise
 
     async def _admit(self, request: pb.GenerateRequest, sink) -> PreparedRequest:
         if not self.accepting:
             raise EngineStoppedError("server is shutting down; retry on another replica")
         checked = self._check(request)
-        self._refuse_if_full()
+        self._claim_slot()
         loop = asyncio.get_running_loop()
-        admission = asyncio.ensure_future(self.executors.run_admission(self._prepare_and_add, checked, sink))
+        admission = asyncio.ensure_future(self._run_admission(checked, sink))
         try:
             return await asyncio.shield(admission)
         except asyncio.CancelledError:

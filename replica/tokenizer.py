@@ -14,6 +14,8 @@ from pathlib import Path
 
 import tokenizers
 
+from dspine import faults
+
 
 def _token_content(tok) -> str | None:
     if isinstance(tok, dict):
@@ -68,11 +70,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    # The batch calls, with one input, because `tokenizers` releases the GIL only in them: a plain
+    # `encode` of a 1,000,000-character text holds it for about a second, which stalls the server's
+    # event loop and the engine's thread, whatever thread the encode runs in.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text`` (the GIL is released while the tokenizer works)."""
+        if faults.active("tokenizer.encode_holds_gil"):
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """The text of ``ids`` (the GIL is released while the tokenizer works)."""
+        return self.tokenizer.decode_batch([[int(i) for i in ids]], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)

@@ -177,3 +177,34 @@ def test_a_request_the_draft_pool_cannot_hold_is_refused_while_a_step_holds_the_
         for stream in streams:
             list(stream)
         client.close()
+
+
+@pytest.mark.parametrize("fault", [None, "servicer.admission_waits_for_engine"], ids=["fixed", "waits-for-engine"])
+def test_admissions_in_progress_hold_their_slots(serve, gate_for, tokenizer, fault):
+    # Two text prompts are still being encoded (held by the test hook) on an engine of 2 slots:
+    # the engine holds no request yet, but both slots are claimed, so a third request is refused
+    # at once instead of overtaking them.
+    engine = make_engine(tokenizer, with_drafter=False, max_concurrency=2)
+    gate_for(engine)
+    server = serve(engine)
+    service = server.server.servicer.service
+    blocking = BlockingTokenizer(service.tokenizer)
+    service.tokenizer = blocking
+    with DSpineClient(server.address, timeout=60, retry=RetryPolicy(max_attempts=1)) as client:
+        held = [client.generate_stream(BLOCKED_TEXT, max_new_tokens=2) for _ in range(2)]
+        try:
+            wait_until(lambda: blocking.entered == 2, 20, "both text prompts being encoded")
+            assert engine.num_unfinished() == 0
+            with faults.inject(*([fault] if fault else [])):
+                if fault is None:
+                    with pytest.raises(ResourceExhausted, match="max_concurrency=2"):
+                        client.generate(token_ids=[7, 8], max_new_tokens=2, timeout=10)
+                else:  # the bug: the third request overtakes the two that came first
+                    third = client.generate_stream(token_ids=[7, 8], max_new_tokens=2, timeout=10)
+                    wait_until(lambda: engine.num_unfinished() == 1, 10, "the third request admitted")
+                    third.cancel()
+        finally:
+            blocking.release.set()
+            for stream in held:
+                stream.cancel()
+    wait_until(lambda: idle(engine), what="no live state")
