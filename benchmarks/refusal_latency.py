@@ -2,11 +2,11 @@
 
     python benchmarks/refusal_latency.py [--streams 200] [--slots 8] [--seconds 20] [--no-baseline]
 
-Serves the embedded pair with ``max_concurrency = --slots`` on a local socket and
-opens ``--streams`` concurrent GenerateStream callers. Each caller loops: open a
+Serves the embedded pair with ``max_concurrency = --slots`` on a local socket (in
+a child process, so the callers do not compete for the server's GIL) and opens ``--streams`` concurrent GenerateStream callers. Each caller loops: open a
 stream (token-id prompt, ``--max-new-tokens`` long, so admitted streams keep
 their slots busy), read it to the end if admitted, or record how long the
-RESOURCE_EXHAUSTED answer took and try again after a short pause. Meanwhile
+RESOURCE_EXHAUSTED answer took and try again after 0.5-1.5 s (a client's backoff). Meanwhile
 ``--tokenizers`` callers send Tokenize calls of ``--tokenize-chars`` characters,
 so tokenization competes for the server's threads as it does in production.
 
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
-import threading
+import subprocess
+import sys
 import time
 
 import grpc
@@ -47,24 +49,46 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--tokenizers", type=int, default=4, help="concurrent Tokenize callers (0: none)")
     p.add_argument("--tokenize-chars", type=int, default=200_000, help="characters per Tokenize call")
     p.add_argument("--no-baseline", action="store_true", help="measure this build only")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
+    p.add_argument("--old-design", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-class ServerThread:
-    """The standalone server on its own event loop thread (the callers run on the main loop)."""
+def _serve(args) -> None:
+    """The server process: the embedded pair behind a standalone server, until stdin closes."""
+    engine = Engine.from_pretrained(embedded.TARGET_DIR, embedded.DRAFT_DIR,
+                                    EngineConfig(device="cpu", max_concurrency=args.slots))
 
-    def __init__(self, engine: Engine):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="probe-server", daemon=True)
-        self.thread.start()
-        self.server = DSpineServer(engine, ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0))
-        self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(120)
+    async def run() -> None:
+        server = DSpineServer(engine, ServerConfig(host="127.0.0.1", port=0, shutdown_grace_s=5.0))
+        port = await server.start()
+        print(port, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+        await server.stop(grace=5.0)
 
-    async def close(self) -> None:
-        """Stop the server from the callers' loop (grpc.aio calls back into every loop it served)."""
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.server.stop(grace=5.0), self.loop))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    with faults.inject(*(OLD_DESIGN if args.old_design else ())):
+        asyncio.run(run())
+
+
+class ServerProcess:
+    """:func:`_serve` in a child process, so the callers' work does not take the server's GIL."""
+
+    def __init__(self, args, old_design: bool):
+        command = [sys.executable, __file__, "--serve", "--slots", str(args.slots)]
+        self.process = subprocess.Popen(command + (["--old-design"] if old_design else []),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.process.stdout.readline()
+        if not line.strip().isdigit():
+            self.process.kill()
+            raise SystemExit(f"the server process did not start (it printed {line!r})")
+        self.port = int(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 async def _stream_caller(stub, end: float, max_new_tokens: int, seed: int, refusals: list[float],
@@ -86,7 +110,7 @@ async def _stream_caller(stub, end: float, max_new_tokens: int, seed: int, refus
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 refusals.append(time.perf_counter() - start)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(random.uniform(0.5, 1.5))  # a client's backoff before it tries again
             elif e.code() != grpc.StatusCode.CANCELLED:
                 raise
         except asyncio.CancelledError:
@@ -132,32 +156,24 @@ def _summary(name: str, result: dict) -> dict:
 
 def main() -> None:
     args = _parse()
+    if args.serve:
+        _serve(args)
+        return
     if not embedded.available():
         raise SystemExit("the embedded pair is not in this installation (dspine train target / draft)")
-    engine = Engine.from_pretrained(embedded.TARGET_DIR, embedded.DRAFT_DIR,
-                                    EngineConfig(device="cpu", max_concurrency=args.slots))
-    server = ServerThread(engine)
     print(f"refusal latency: {args.streams} streams on {args.slots} slots, {args.seconds:g} s per phase, "
           f"{args.tokenizers} Tokenize callers of {args.tokenize_chars} characters")
-    rows = asyncio.run(_measure(server, args))
+    rows = {}
+    for name, old_design in ((("baseline", True),) if not args.no_baseline else ()) + (("this", False),):
+        server = ServerProcess(args, old_design)
+        try:
+            rows[name] = _summary(name, asyncio.run(_phase(server.port, args)))
+        finally:
+            server.close()
     base, this = rows.get("baseline"), rows["this"]
     if base and this:
         print("ratio baseline/this: " + "  ".join(f"{k} {base[k] / max(this[k], 1e-9):.1f}x"
                                                   for k in ("p50", "p90", "max")))
-
-
-async def _measure(server: ServerThread, args) -> dict:
-    """Both phases on one event loop, then the server's stop."""
-    rows = {}
-    try:
-        if not args.no_baseline:
-            with faults.inject(*OLD_DESIGN):
-                rows["baseline"] = _summary("baseline", await _phase(server.port, args))
-            await asyncio.sleep(2.0)  # the baseline's admitted streams end (cancelled) before the next phase
-        rows["this"] = _summary("this", await _phase(server.port, args))
-    finally:
-        await server.close()
-    return rows
 
 
 if __name__ == "__main__":
