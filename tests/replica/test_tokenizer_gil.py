@@ -57,7 +57,11 @@ def test_encoding_a_long_text_lets_other_threads_run(tokenizer, fault):
         assert turns < 20, turns  # the bug this guards against: the GIL held through the call
 
 
-def test_decode_matches_the_plain_call(tokenizer):
-    ids = tokenizer.encode("def f(x):\n    return x  # ünïcode")
-    assert tokenizer.decode(ids) == tokenizer.tokenizer.decode(ids) == "def f(x):\n    return x  # ünïcode"
-    assert tokenizer.decode(ids, skip_special_tokens=True) == tokenizer.tokenizer.decode(ids, skip_special_tokens=True)
+@pytest.mark.parametrize("text", ["def f(x):\n    return x  # ünïcode", TEXT], ids=["short", "long"])
+def test_encode_and_decode_match_the_plain_calls(tokenizer, text):
+    raw = tokenizer.tokenizer
+    ids = tokenizer.encode(text)
+    assert ids == raw.encode(text).ids
+    assert tokenizer.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == raw.decode(ids) == text
+    assert tokenizer.decode(ids, skip_special_tokens=True) == raw.decode(ids, skip_special_tokens=True)
