@@ -48,6 +48,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=512, help="length of an admitted stream")
     p.add_argument("--tokenizers", type=int, default=4, help="concurrent Tokenize callers (0: none)")
     p.add_argument("--tokenize-chars", type=int, default=200_000, help="characters per Tokenize call")
+    p.add_argument("--generators", type=int, default=0,
+                   help="callers sending 2-token Generate calls one after another (their latency is printed)")
     p.add_argument("--no-baseline", action="store_true", help="measure this build only")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     p.add_argument("--old-design", action="store_true", help=argparse.SUPPRESS)
@@ -118,6 +120,20 @@ async def _stream_caller(stub, end: float, max_new_tokens: int, seed: int, refus
             raise
 
 
+async def _generate_caller(stub, end: float, latencies: list[float]) -> None:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 5, 9]),
+                                 sampling=pb.SamplingParams(max_new_tokens=2, ignore_eos=True))
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            await stub.Generate(request, timeout=120)
+            latencies.append(time.perf_counter() - start)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(0.1)
+
+
 async def _tokenize_caller(stub, end: float, chars: int, done: list[int]) -> None:
     text = ("def wrap(text, width): return text " * (chars // 35 + 1))[:chars]
     while time.monotonic() < end:
@@ -127,6 +143,7 @@ async def _tokenize_caller(stub, end: float, chars: int, done: list[int]) -> Non
 
 async def _phase(port: int, args) -> dict:
     refusals: list[float] = []
+    generations: list[float] = []
     admitted, tokenized = [0], [0]
     end = time.monotonic() + args.seconds
     options = [("grpc.max_send_message_length", 16 << 20)]
@@ -136,11 +153,18 @@ async def _phase(port: int, args) -> dict:
                  for i in range(args.streams)]
         tasks += [asyncio.create_task(_tokenize_caller(stub, end, args.tokenize_chars, tokenized))
                   for _ in range(args.tokenizers)]
+        tasks += [asyncio.create_task(_generate_caller(stub, end, generations)) for _ in range(args.generators)]
         await asyncio.gather(*tasks)
-    return {"refusals": refusals, "admitted": admitted[0], "tokenized": tokenized[0]}
+    return {"refusals": refusals, "generations": generations, "admitted": admitted[0], "tokenized": tokenized[0]}
 
 
 def _summary(name: str, result: dict) -> dict:
+    if result["generations"]:
+        gen = sorted(result["generations"])
+        print(f"{name:>9}: {len(gen):6d} 2-token Generate calls  p50 {statistics.median(gen) * 1e3:8.1f} ms  "
+              f"max {gen[-1] * 1e3:8.1f} ms  (tokenize calls {result['tokenized']})")
+        if not result["refusals"]:
+            return {"p50": statistics.median(gen), "p90": gen[int(0.9 * (len(gen) - 1))], "max": gen[-1]}
     lat = sorted(result["refusals"])
     if not lat:
         print(f"{name:>9}: no refusals (admitted {result['admitted']}); raise --streams")

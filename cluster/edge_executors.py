@@ -6,7 +6,8 @@ them wait for each other (issue 20: twelve 1,000,000-character Tokenize calls
 held a 2-token Generate for 8 s, and refusals waited for a free thread):
 
 - **tokenize**: Tokenize / Detokenize calls (a long text takes a while to
-  encode). ``tokenize_threads`` threads; at most ``max_waiting`` calls wait
+  encode). ``tokenize_threads`` threads (default: a quarter of the cores, 1
+  to 4); at most ``max_waiting`` calls wait
   for one, more are refused with :class:`~dspine.cluster.errors.EdgeBusyError`
   (RESOURCE_EXHAUSTED) instead of queueing without bound.
 - **admission**: preparing a generate request (encoding a text prompt,
@@ -77,7 +78,9 @@ class BoundedExecutor:
 class EdgeExecutors:
     """The three pools of one :class:`~dspine.cluster.service.DSpineService` (see the module docstring)."""
 
-    def __init__(self, tokenize_threads: int = 2, admission_threads: int = 4, max_waiting: int = 64):
+    def __init__(self, tokenize_threads: int | None = None, admission_threads: int = 4, max_waiting: int = 64):
+        if tokenize_threads is None:  # a quarter of the cores (1 to 4): the engine and the loop need the rest
+            tokenize_threads = max(1, min(4, (os.cpu_count() or 1) // 4))
         self.tokenize = BoundedExecutor("tokenize", tokenize_threads, max_waiting)
         self.admission = BoundedExecutor("admission", admission_threads, max_waiting)
         self._cancel = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dspine-cancel")

@@ -58,8 +58,8 @@ class DSpineService:
     """The dspine.v1 methods over one engine. Starts the engine's background loop.
 
     ``model_name`` is reported by ``GetModelInfo`` (e.g. the target directory's
-    name); ``executors`` are the worker pools (default: 2 tokenize threads, 4
-    admission threads, one cancel thread, 64 waiting calls per pool)."""
+    name); ``executors`` are the worker pools (default: a quarter of the cores
+    for tokenization, 4 admission threads, one cancel thread, 64 waiting calls per pool)."""
 
     def __init__(self, engine, model_name: str = "", limits: ValidationLimits | None = None, metrics=None,
                  executors: EdgeExecutors | None = None):
