@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["FAULTS", "MEMORY_FAULTS", "active", "inject"]
+__all__ = ["FAULTS", "MEMORY_FAULTS", "EDGE_FAULTS", "active", "inject"]
 
 FAULTS: dict[str, str] = {
     "tail.q_from_wrong_row": "the tail's q (and confidence) read the table row of the token's own slot "
@@ -53,6 +53,19 @@ MEMORY_FAULTS: dict[str, str] = {
                                   "K/V blocks to the pool",
 }
 
+# Faults of the gRPC edge's responsiveness, each caught by the test named beside it.
+EDGE_FAULTS: dict[str, str] = {
+    # tests/cluster/test_edge_executors.py::test_admission_and_cancel_go_through_while_tokenization_fills_its_threads
+    "servicer.shared_executor": "tokenization, admission and cancellation run in one executor, so a cancel or "
+                                "an admission waits for every tokenize call queued before it",
+    # tests/replica/test_tokenizer_gil.py::test_encoding_a_long_text_lets_other_threads_run
+    "tokenizer.encode_holds_gil": "Tokenizer.encode calls tokenizers' plain encode, which holds the GIL for the "
+                                  "whole call (a long text stalls the event loop and the engine thread)",
+    # tests/cluster/test_edge_executors.py::test_a_full_engine_refuses_while_a_step_holds_the_engine
+    "servicer.admission_waits_for_engine": "a full engine's refusal is found only by engine.add_request (after an "
+                                           "executor thread and the engine lock), not by the lock-free load check",
+}
+
 _active: frozenset[str] = frozenset()
 
 
@@ -65,7 +78,7 @@ def active(name: str) -> bool:
 def inject(*names: str) -> Iterator[None]:
     """Switch the named faults on for the duration of the block (tests only)."""
     global _active
-    known = {**FAULTS, **MEMORY_FAULTS}
+    known = {**FAULTS, **MEMORY_FAULTS, **EDGE_FAULTS}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"names: unknown fault(s) {unknown}; known: {sorted(known)}")

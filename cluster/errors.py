@@ -12,6 +12,7 @@ RequestCancelledError                  CANCELLED
 TimeoutError (a server-side deadline)  DEADLINE_EXCEEDED
 EngineStoppedError, ReplicaLostError  UNAVAILABLE           retry on another replica
 ClusterBusyError                       RESOURCE_EXHAUSTED    every slot and queue place taken
+EdgeBusyError                          RESOURCE_EXHAUSTED    too many calls waiting for a server thread
 UnauthenticatedError                   UNAUTHENTICATED       missing or wrong bearer token
 RequestFailedError, anything else      INTERNAL              no internals leak out
 =====================================  ====================  ===========================
@@ -50,6 +51,11 @@ class ClusterBusyError(Exception):
     """Every replica slot and every queue place of the cluster is taken (-> RESOURCE_EXHAUSTED)."""
 
 
+class EdgeBusyError(Exception):
+    """Too many calls of one kind (tokenization, admission) wait for the server's threads
+    (-> RESOURCE_EXHAUSTED): refused at once rather than queued without bound."""
+
+
 class UnauthenticatedError(Exception):
     """The call carries no valid bearer token (-> UNAUTHENTICATED)."""
 
@@ -70,6 +76,7 @@ _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
     (ReplicaLostError, grpc.StatusCode.UNAVAILABLE),
     (ClusterBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EdgeBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -30,7 +30,7 @@ from . import tracing
 from .config import ClusterConfig
 from .embedded import resolve_model_dirs
 from .metrics import ServingMetrics, configure_metrics
-from .servicer import DSpineService
+from .service import DSpineService
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +117,4 @@ class EngineReplica:
             # Serve has drained this replica already; whatever is left is cancelled.
             self.service.accepting = False
             engine.shutdown(drain=False, timeout=5.0)
+            self.service.close()

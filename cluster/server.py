@@ -31,7 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from . import tracing
 from .auth import bearer_token_matches
 from .metrics import ServingMetrics, configure_metrics
-from .servicer import SERVICE_NAME, DSpineService, DSpineServicer, add_to_server
+from .grpc_adapter import DSpineServicer
+from .registration import SERVICE_NAME, add_to_server
+from .service import DSpineService
 from .validation import ValidationLimits
 
 logger = logging.getLogger(__name__)
@@ -172,6 +174,7 @@ class DSpineServer:
                            self.servicer.num_active, grace)
         await self._server.stop(grace=1.0)
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.engine.shutdown(drain=False, timeout=grace))
+        self.servicer.service.close()
         self._server = None
         self._stopped.set()
         logger.info("dspine server stopped")

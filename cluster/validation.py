@@ -1,16 +1,13 @@
 """Validation of every request field before the engine sees it (pydantic at the edge).
 
-Two steps, both raising :class:`~dspine.replica.errors.InvalidRequestError`
+What a request may ask (:class:`ValidationLimits`) and the request models that
+check it, raising :class:`~dspine.replica.errors.InvalidRequestError`
 (-> INVALID_ARGUMENT) whose message is ``field: reason``, where ``field`` is
 the request path a client wrote (``sampling.temperature``, ``token_ids[3]``,
-``messages[0].role``, ``request_id``):
-
-1. :func:`validate_generate` checks the shape and range of every field against
-   :class:`ValidationLimits` (the served model's vocabulary and context, and
-   size caps): pure data, no tokenizer.
-2. :func:`prepare_generate` turns the checked input into the engine's types:
-   it encodes text / renders chat messages with the tokenizer, checks the
-   prompt length against the context, and builds a ``SamplingParams``.
+``messages[0].role``, ``request_id``). :func:`validate_generate` checks the
+shape and range of every field: pure data, no tokenizer. Turning the checked
+input into the engine's types (encoding, chat rendering) is
+:func:`dspine.cluster.prompt.prepare_generate`'s job.
 
 Decisions a client can rely on:
 - exactly one prompt: ``text`` XOR ``token_ids`` XOR ``messages``, non-empty;
@@ -33,8 +30,6 @@ from __future__ import annotations
 
 import math
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import (
@@ -51,8 +46,9 @@ from pydantic import (
     model_validator,
 )
 
+from dspine.replica.description import EngineDescription, describe_engine
 from dspine.replica.errors import InvalidRequestError, NoDrafterError
-from dspine.replica.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from dspine.replica.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from dspine.replica.request_rules import prompt_length_problem, seed_problem, token_id_problem, token_ids_problem
 
 _MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is simply banned; a bound keeps it finite
@@ -63,11 +59,9 @@ __all__ = [
     "SamplingInput",
     "ChatMessageInput",
     "GenerateInput",
-    "PreparedRequest",
     "validate_generate",
     "validate_token_ids",
     "validate_text",
-    "prepare_generate",
     "invalid_from_pydantic",
 ]
 
@@ -102,17 +96,22 @@ class ValidationLimits(BaseModel):
         return self
 
     @classmethod
-    def from_engine(cls, engine, **overrides) -> "ValidationLimits":
-        tokenizer = engine.tokenizer
+    def from_description(cls, description: EngineDescription, **overrides) -> "ValidationLimits":
+        """The limits of the engine ``description`` describes (``overrides`` replace fields)."""
         fields: dict[str, Any] = dict(
-            vocab_size=engine.target.args.vocab_size,
-            max_context=engine.max_seq_len,
-            has_tokenizer=tokenizer is not None,
-            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
-            has_drafter=engine.drafter is not None,
+            vocab_size=description.vocab_size,
+            max_context=description.max_context,
+            has_tokenizer=description.has_tokenizer,
+            has_chat_template=description.has_chat_template,
+            has_drafter=description.has_drafter,
         )
         fields.update(overrides)
         return cls(**fields)
+
+    @classmethod
+    def from_engine(cls, engine, **overrides) -> "ValidationLimits":
+        """The limits of ``engine`` (through its :class:`EngineDescription`)."""
+        return cls.from_description(describe_engine(engine), **overrides)
 
 
 def _limits(info: ValidationInfo) -> ValidationLimits:
@@ -404,59 +403,3 @@ def validate_generate(data: dict[str, Any], limits: ValidationLimits) -> Generat
         if isinstance(cause, NoDrafterError):
             raise cause from None
         raise invalid_from_pydantic(e) from None
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A checked request in the engine's types."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    speculative: bool | None
-    request_id: str
-
-
-def encode_chat(messages, add_generation_prompt: bool, tokenizer, template) -> list[int]:
-    """Render ``messages`` with ``template`` (a :class:`~dspine.cluster.chat.ChatTemplate`) and encode."""
-    text = template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
-    try:
-        return tokenizer.encode(text, add_special_tokens=False)
-    except TypeError:  # a tokenizer without the keyword
-        return tokenizer.encode(text)
-
-
-def prepare_generate(request: GenerateInput, limits: ValidationLimits, tokenizer=None,
-                     chat_template=None) -> PreparedRequest:
-    """Encode the prompt, check its length against the context, build ``SamplingParams``."""
-    if request.text is not None:
-        field, ids = "text", list(tokenizer.encode(request.text))
-    elif request.messages is not None:
-        field = "messages"
-        try:
-            ids = encode_chat(request.messages, request.add_generation_prompt, tokenizer, chat_template)
-        except ValueError as e:
-            raise InvalidRequestError("messages", str(e).removeprefix("messages: ")) from e
-    else:
-        field, ids = "token_ids", list(request.token_ids)
-    if not ids:
-        raise InvalidRequestError(field, "encodes to no tokens")
-    if (too_long := prompt_length_problem(len(ids), limits.max_context)) is not None:
-        raise InvalidRequestError(field, too_long)
-    if (bad := token_ids_problem(ids, limits.vocab_size)) is not None:  # a tokenizer larger than the model's vocabulary
-        raise InvalidRequestError(field, f"encodes to element {bad[0]}: {bad[1]}")
-
-    s = request.sampling
-    fields = {
-        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
-        "max_new_tokens": s.max_new_tokens if s.max_new_tokens is not None else limits.default_max_new_tokens,
-        "stop": s.stop, "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
-        "min_p": s.min_p, "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty, "logit_bias": dict(s.logit_bias), "logprobs": s.logprobs,
-        "reproducible": s.reproducible,
-    }
-    try:
-        params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
-    except ValueError as e:  # SamplingParams names the field first
-        name, _, reason = str(e).partition(": ")
-        raise InvalidRequestError(f"sampling.{name}", reason) from e
-    return PreparedRequest(ids, params, request.speculative, request.request_id or uuid.uuid4().hex)

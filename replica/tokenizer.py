@@ -14,6 +14,10 @@ from pathlib import Path
 
 import tokenizers
 
+from dspine import faults
+
+_RELEASE_GIL_FROM = 2048  # characters (encode) or ids (decode); below it a call holds the GIL ~2 ms at most
+
 
 def _token_content(tok) -> str | None:
     if isinstance(tok, dict):
@@ -68,11 +72,36 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    # Long inputs go through the batch calls, with one input, because `tokenizers` releases the GIL
+    # only in them: a plain `encode` of a 1,000,000-character text holds it for about a second,
+    # which stalls the server's event loop and the engine's thread, whatever thread it runs in.
+    # Short ones (every per-step detokenization) keep the plain call: it is a few microseconds faster.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text`` (a long text is encoded with the GIL released)."""
+        if len(text) < _RELEASE_GIL_FROM or faults.active("tokenizer.encode_holds_gil"):
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """The text of ``ids`` (many ids are decoded with the GIL released)."""
+        ids = [int(i) for i in ids]
+        if len(ids) < _RELEASE_GIL_FROM:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (its raw text, special tokens included), or None."""
+        return self.tokenizer.id_to_token(int(token_id))
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the beginning-of-sequence token (what a chat template calls ``bos_token``), or None."""
+        return self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the first end-of-sequence token (a chat template's ``eos_token``), or None."""
+        return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None

@@ -69,7 +69,8 @@ def test_embedded_tokenizer_ships_the_chat_template_the_train_command_writes(eng
 
 def test_messages_requests_work_on_the_embedded_pair(engine):
     from dspine.cluster.chat import ChatTemplate
-    from dspine.cluster.validation import ValidationLimits, prepare_generate, validate_generate
+    from dspine.cluster.prompt import prepare_generate
+    from dspine.cluster.validation import ValidationLimits, validate_generate
 
     limits = ValidationLimits.from_engine(engine)
     assert limits.has_chat_template

@@ -171,6 +171,28 @@ def test_unknown_field_is_invalid(full_server):
     _assert_unharmed(full_server)
 
 
+@pytest.mark.parametrize("raw, field, sent, expected", [
+    # request_id (6) is a string: length-delimited, sent as a varint
+    (_unknown_varint_field(6), "request_id", "0 (varint)", "2 (length-delimited)"),
+    # speculative (5) is a bool: a varint, sent as 32 bits
+    (_varint(5 << 3 | 5) + b"\x01\x00\x00\x00", "speculative", "5 (32-bit)", "0 (varint)"),
+    # sampling.temperature (1) is a double: 64 bits, sent as a varint
+    (_varint(4 << 3 | 2) + _varint(2) + _unknown_varint_field(1, 0), "sampling.temperature", "0 (varint)",
+     "1 (64-bit)"),
+    # sampling.stop_token_ids (7) is repeated int32: varint or packed, sent as 64 bits
+    (_varint(4 << 3 | 2) + _varint(9) + _varint(7 << 3 | 1) + bytes(8), "sampling.stop_token_ids", "1 (64-bit)",
+     "0 (varint) or 2 (length-delimited)"),
+], ids=["string-as-varint", "bool-as-fixed32", "nested-double-as-varint", "repeated-int-as-fixed64"])
+def test_known_field_with_the_wrong_wire_type_is_named(full_server, raw, field, sent, expected):
+    # A field this schema has, sent with another wire type, is not "unknown": say which field and what is wrong.
+    error = _call(full_server.address, _request(token_ids=OK).SerializeToString() + raw, stream=False)
+    assert error.code() == INVALID, error.details()
+    assert error.details().startswith(f"{field}: sent with wire type {sent}"), error.details()
+    assert f"takes wire type {expected}" in error.details() and "unknown field" not in error.details()
+    assert dict(error.trailing_metadata())["dspine-field"] == field
+    _assert_unharmed(full_server)
+
+
 def test_malformed_bytes_and_invalid_utf8(full_server):
     for raw in (b"\x0a\x02\xff\xfe", b"\x12\x05\x08"):  # text with invalid UTF-8; a truncated message
         error = _call(full_server.address, raw, stream=False)

@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from dspine.cluster.errors import error_field, status_for
+from dspine.cluster.prompt import prepare_generate
 from dspine.cluster.validation import (
     ValidationLimits,
-    prepare_generate,
     validate_generate,
     validate_token_ids,
 )
