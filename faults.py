@@ -25,7 +25,7 @@ FAULTS: dict[str, str] = {
                                       "probability of the token drawn at that row",
     "verify.always_accept": "sampled verification accepts every draft token",
     "verify.recover_from_p": "the token after a rejection is drawn from p instead of the residual [p - q]+",
-    "verify.bonus_from_residual": "after a truncated verify (num_draft < K) accepted in full, the bonus is "
+    "verify.bonus_from_residual": "after a truncated verify (num_verified < K) accepted in full, the bonus is "
                                   "drawn from the residual [p - q]+ of the next row instead of from p",
     "runner.p_without_temperature": "the target's p used by verification ignores the request's temperature",
     "runner.p_without_top_p": "the target's p used by verification ignores the request's top-p",

@@ -211,7 +211,7 @@ def greedy_continue(target, prompts: torch.Tensor, total_len: int) -> torch.Tens
             step = target.forward_step(nxt[:, None], states)
             target.commit(states, [1] * B)
     for s in states:
-        s.release()
+        s.free()
     return out
 
 

@@ -51,7 +51,7 @@ def sample_continuations(target, prompts: torch.Tensor, total_len: int, temperat
             step = target.forward_step(nxt[:, None], states)
             target.commit(states, [1] * b)
     for state in states:
-        state.release()
+        state.free()
     return out
 
 
