@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["FAULTS", "MEMORY_FAULTS", "active", "inject"]
+__all__ = ["FAULTS", "MEMORY_FAULTS", "ENGINE_FAULTS", "active", "inject"]
 
 FAULTS: dict[str, str] = {
     "tail.q_from_wrong_row": "the tail's q (and confidence) read the table row of the token's own slot "
@@ -53,6 +53,13 @@ MEMORY_FAULTS: dict[str, str] = {
                                   "K/V blocks to the pool",
 }
 
+# Faults of the engine's threading, caught by the tests named beside them.
+ENGINE_FAULTS: dict[str, str] = {
+    # tests/replica/test_engine_intake.py
+    "engine.admission_waits_for_step": "add_request and cancel wait for the step in progress (the step lock "
+                                       "around the model run) before they refuse, admit or cancel",
+}
+
 _active: frozenset[str] = frozenset()
 
 
@@ -65,7 +72,7 @@ def active(name: str) -> bool:
 def inject(*names: str) -> Iterator[None]:
     """Switch the named faults on for the duration of the block (tests only)."""
     global _active
-    known = {**FAULTS, **MEMORY_FAULTS}
+    known = {**FAULTS, **MEMORY_FAULTS, **ENGINE_FAULTS}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"names: unknown fault(s) {unknown}; known: {sorted(known)}")
