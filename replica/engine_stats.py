@@ -36,6 +36,9 @@ class EngineStats:
 
 # Weight of the newest cycle in ``EngineStats.recent_accepted_len``.
 ACCEPTANCE_DECAY = 0.05
+# The longest ``num_live_states`` waits for the background loop to free cancelled requests'
+# device state (it does so within one step).
+FREE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -108,15 +111,17 @@ class EngineMonitoring:
     def num_live_states(self) -> dict[str, int]:
         """Live target states and draft slots (zero when idle: the leak check).
 
-        Counted once the device state of every finished or cancelled request has been freed
-        (a cancel frees it at the next step boundary, on the device thread): this may wait for
-        the step in progress, unlike ``load()``."""
+        Counted once the device state of finished or cancelled requests has been freed (a cancel
+        frees it at the next step boundary, on the device thread): this waits for the step in
+        progress, unlike ``load()``, and with the background loop for the boundary after it (at
+        most ``FREE_WAIT_S``: a loop held outside a step, by a test's gate, is not waited for)."""
         loop = self._loop
         if loop is not None and not loop.done():
+            deadline = time.monotonic() + FREE_WAIT_S
             with self._lock:  # the loop frees finished requests' state when it wakes (engine_loop)
                 self._work.notify_all()
-                while self.scheduler.has_finished_ids and not loop.done():
-                    self._state_freed.wait(timeout=0.1)
+                while self.scheduler.has_finished_ids and not loop.done() and time.monotonic() < deadline:
+                    self._state_freed.wait(timeout=0.05)
             if not loop.done():
                 with self._step_lock:
                     return self._live_state_counts()
