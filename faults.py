@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["FAULTS", "MEMORY_FAULTS", "EDGE_FAULTS", "active", "inject"]
+__all__ = ["FAULTS", "MEMORY_FAULTS", "ENGINE_FAULTS", "EDGE_FAULTS", "active", "inject"]
 
 FAULTS: dict[str, str] = {
     "tail.q_from_wrong_row": "the tail's q (and confidence) read the table row of the token's own slot "
@@ -25,7 +25,7 @@ FAULTS: dict[str, str] = {
                                       "probability of the token drawn at that row",
     "verify.always_accept": "sampled verification accepts every draft token",
     "verify.recover_from_p": "the token after a rejection is drawn from p instead of the residual [p - q]+",
-    "verify.bonus_from_residual": "after a truncated verify (num_draft < K) accepted in full, the bonus is "
+    "verify.bonus_from_residual": "after a truncated verify (num_verified < K) accepted in full, the bonus is "
                                   "drawn from the residual [p - q]+ of the next row instead of from p",
     "runner.p_without_temperature": "the target's p used by verification ignores the request's temperature",
     "runner.p_without_top_p": "the target's p used by verification ignores the request's top-p",
@@ -53,6 +53,13 @@ MEMORY_FAULTS: dict[str, str] = {
                                   "K/V blocks to the pool",
 }
 
+# Faults of the engine's threading, caught by the tests named beside them.
+ENGINE_FAULTS: dict[str, str] = {
+    # tests/replica/test_engine_intake.py
+    "engine.admission_waits_for_step": "add_request and cancel wait for the step in progress (the step lock "
+                                       "around the model run) before they refuse, admit or cancel",
+}
+
 # Faults of the gRPC edge's responsiveness, each caught by the test named beside it.
 EDGE_FAULTS: dict[str, str] = {
     # tests/cluster/test_edge_executors.py::test_admission_and_cancel_go_through_while_tokenization_fills_its_threads
@@ -78,7 +85,7 @@ def active(name: str) -> bool:
 def inject(*names: str) -> Iterator[None]:
     """Switch the named faults on for the duration of the block (tests only)."""
     global _active
-    known = {**FAULTS, **MEMORY_FAULTS, **EDGE_FAULTS}
+    known = {**FAULTS, **MEMORY_FAULTS, **ENGINE_FAULTS, **EDGE_FAULTS}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"names: unknown fault(s) {unknown}; known: {sorted(known)}")

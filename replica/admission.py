@@ -105,7 +105,7 @@ class PagedKvCapacity:
 
 
 class MemoryAdmission:
-    """The reservation ledger over the engine's pools (not thread-safe: the engine's lock guards it)."""
+    """The reservation ledger over the engine's pools (not thread-safe: the engine's ``_lock`` guards it)."""
 
     def __init__(self, pools: list[KvCapacity], max_seq_len: int, reservation: str = "max_new_tokens",
                  block_size: int = 1):
@@ -161,8 +161,8 @@ class MemoryAdmission:
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved
 
-    def release(self, request_id: str) -> None:
-        """Return a finished request's reservations (idempotent)."""
+    def unreserve(self, request_id: str) -> None:
+        """Give back a finished request's reservations (idempotent)."""
         for name, tokens in self._reserved.pop(request_id, {}).items():
             self._totals[name] -= tokens
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .types import RetrievalMode
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,7 +27,7 @@ class EngineConfig:
     # The tail's candidate retrieval: "fp8" (scan an FP8 head copy, rescore; CUDA), "bf16" (scan a
     # bf16 head copy; CPUs with native bf16 GEMMs), "exact" (the real head). "auto": fp8 on cuda,
     # bf16 on such CPUs, else exact. It changes only what is proposed, never what is emitted.
-    retrieval: str = "auto"
+    retrieval: str = "auto"  # "auto" or a RetrievalMode value; resolved by ``retrieval_mode``
     speculative_default: bool = True  # used when a request does not say and a drafter is loaded
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per forward
     # The target's full-attention K/V: "paged" (one preallocated PagedKVPool per replica, blocks
@@ -75,7 +76,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value != "auto" and value not in _DTYPES:
                 raise ValueError(f"{name}: must be 'auto' or one of {sorted(_DTYPES)}, got {value!r}")
-        if self.retrieval not in ("auto", "exact", "fp8", "bf16"):
+        if self.retrieval != "auto" and self.retrieval not in {m.value for m in RetrievalMode}:
             raise ValueError(f"retrieval: must be 'auto', 'exact', 'fp8' or 'bf16', got {self.retrieval!r}")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold: must be in [0, 1), got {self.verify_threshold}")
@@ -120,13 +121,14 @@ class EngineConfig:
         return _DTYPES[self.draft_dtype]
 
     @property
-    def retrieval_mode(self) -> str:
-        """The resolved retrieval: "fp8", "bf16" or "exact"."""
+    def retrieval_mode(self) -> RetrievalMode:
+        """The resolved retrieval ("auto" decided for this device)."""
         if self.retrieval != "auto":
-            return self.retrieval
+            return RetrievalMode(self.retrieval)
         if self.torch_device.type == "cuda":
-            return "fp8"
-        return "bf16" if self.torch_device.type == "cpu" and _cpu_has_native_bf16() else "exact"
+            return RetrievalMode.FP8
+        cpu_bf16 = self.torch_device.type == "cpu" and _cpu_has_native_bf16()
+        return RetrievalMode.BF16 if cpu_bf16 else RetrievalMode.EXACT
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from .models.dspine_config import GiB, MiB, DraftArgs, memory_report
 from .models.target_config import TargetArgs
+from .types import RetrievalMode
 
 
 class MemoryPlanError(ValueError):
@@ -60,7 +61,7 @@ class PlanConfig:
     target_kv_tokens: int | None = None  # target K/V positions; None: max_concurrency x max_seq_len
     dtype_bytes: int = 2  # target weights, K/V, conv state, activations (BF16 on CUDA)
     draft_dtype_bytes: int = 2  # drafter, draft pool, tail tables
-    retrieval: str = "fp8"  # "fp8" | "bf16" | "exact": the head copy the tail's scan reads
+    retrieval: RetrievalMode | str = RetrievalMode.FP8  # the head copy the tail's scan reads
     verify_rows: int = 16  # rows of one verify per request (the drafter's block)
     verify_keeps: str = "inputs"  # "inputs" | "states": what a verify keeps for the prefix commit
     prefill_chunk_tokens: int = 4096
@@ -76,8 +77,9 @@ class PlanConfig:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
         if self.draft_pool not in ("dense", "ring"):
             raise ValueError(f"draft_pool: must be 'dense' or 'ring', got {self.draft_pool!r}")
-        if self.retrieval not in ("fp8", "bf16", "exact"):
+        if self.retrieval not in {m.value for m in RetrievalMode}:
             raise ValueError(f"retrieval: must be 'fp8', 'bf16' or 'exact', got {self.retrieval!r}")
+        object.__setattr__(self, "retrieval", RetrievalMode(self.retrieval))
         if self.verify_keeps not in ("inputs", "states"):
             raise ValueError(f"verify_keeps: must be 'inputs' or 'states', got {self.verify_keeps!r}")
         if self.prefill_chunk_tokens < 1:
@@ -236,9 +238,10 @@ def plan_memory(target: TargetArgs, drafter: DraftArgs | None, config: PlanConfi
         lines.append(PlanLine("tail tables", report.tail_table_bytes + gram,
                               f"[V, M] + [V, 2M] {_fmt(report.tail_table_bytes)} + [M, M] fp32 gram"))
         lines.append(PlanLine("codebook", report.codebook_bytes, "[V, D]"))
-        retrieval = {"fp8": drafter.vocab_size * (drafter.hidden_size + 4),
-                     "bf16": drafter.vocab_size * drafter.hidden_size * 2, "exact": 0}[c.retrieval]
-        lines.append(PlanLine("retrieval head copy", retrieval, f"{c.retrieval} scan of [V, H]"))
+        retrieval = {RetrievalMode.FP8: drafter.vocab_size * (drafter.hidden_size + 4),
+                     RetrievalMode.BF16: drafter.vocab_size * drafter.hidden_size * 2,
+                     RetrievalMode.EXACT: 0}[c.retrieval]
+        lines.append(PlanLine("retrieval head copy", retrieval, f"{c.retrieval.value} scan of [V, H]"))
 
     num_taps = drafter.num_features if drafter is not None else 0
     verify_rows = c.max_concurrency * (c.verify_rows if drafter is not None else 1)

@@ -43,8 +43,8 @@ class PeakLiveTensors(TorchDispatchMode):
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.largest_bytes = max(self.largest_bytes, nbytes)
-        weakref.finalize(t, self._release, key)
+        weakref.finalize(t, self._on_freed, key)
 
-    def _release(self, key: int) -> None:
+    def _on_freed(self, key: int) -> None:
         nbytes = self._storages.pop(key, 0)
         self.live_bytes -= nbytes

@@ -45,7 +45,8 @@ class SchedulerInterface(abc.ABC):
 
     @abc.abstractmethod
     def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:
-        """Finish requests from outside a step (cancel, shutdown); their state is freed next step."""
+        """Finish requests from outside a step (cancel, shutdown), also while a step runs; the
+        runner frees their device state at the next step boundary (``take_finished_ids``)."""
 
 
 class FcfsScheduler(SchedulerInterface):
@@ -74,11 +75,21 @@ class FcfsScheduler(SchedulerInterface):
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._waiting: deque[str] = deque()  # not yet fully prefilled, in arrival order
         self._prefilled: dict[str, int] = {}  # prompt tokens prefilled so far (waiting requests)
-        self._to_free: list[str] = []  # finished since the last schedule()
+        self._to_free: list[str] = []  # finished, their device state not yet freed by the runner
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_finished_ids(self) -> bool:
+        """Whether finished requests wait for the runner to free their device state."""
+        return bool(self._to_free)
+
+    def take_finished_ids(self) -> list[str]:
+        """The requests finished since the last call, whose device state the runner frees now."""
+        finished, self._to_free = self._to_free, []
+        return finished
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -148,11 +159,10 @@ class FcfsScheduler(SchedulerInterface):
             prefill_ids=prefill_ids,
             speculative_ids=[r.request_id for r in speculative],
             target_only_ids=target_only,
-            finished_ids=self._to_free,
+            finished_ids=self.take_finished_ids(),
             draft_rows=draft_rows,
             prefill_chunks=prefill_chunks,
         )
-        self._to_free = []
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestEvent]:
@@ -184,6 +194,8 @@ class FcfsScheduler(SchedulerInterface):
         """Feed the policy this step's acceptance and, unless a request failed (a retried stage
         times more than one forward), its stage costs."""
         for request_id, accepted in runner_output.accepted_len.items():
+            if request_id not in self.requests:  # cancelled while the step ran: forgotten already
+                continue
             self.policy.observe_cycle(request_id, runner_output.num_verified.get(request_id, 0), accepted)
         if runner_output.failed:
             return
@@ -218,5 +230,5 @@ class FcfsScheduler(SchedulerInterface):
             self._waiting.remove(request.request_id)
         self._prefilled.pop(request.request_id, None)
         if self.admission is not None:
-            self.admission.release(request.request_id)
+            self.admission.unreserve(request.request_id)
         self._to_free.append(request.request_id)

@@ -5,7 +5,7 @@ final-normed hidden state whose last bridge write used a *predicted*
 predecessor code. The tail refines only that last write with discrete tokens:
 
 1. **candidates** per proposal row: the K (16) best tokens of the shared LM
-   head for the row's hidden state. Fast path (``fp8_retrieval=True``): score
+   head for the row's hidden state. Fast path (``RetrievalMode.FP8``): score
    all V with the row-scaled FP8 head copy, keep R (128), rescore those with
    the real head, keep K (``dspine.kernels.fp8_head_topk``; it can miss a
    token whose FP8 score falls outside the R, see that module). Fallback:
@@ -42,6 +42,8 @@ from dspine.kernels import (fp8_head_topk, head_topk_bf16, head_topk_exact, prec
 from dspine.kernels import tail_tables as _tail_tables_op
 from dspine.kernels.tail_chain import predecessor_slots
 
+from .types import RetrievalMode
+
 __all__ = ["TailTables", "Proposal", "propose", "retrieve_candidates", "conditional_tables", "draw_chain_uniforms",
            "chain_confidence", "verify_lengths"]
 
@@ -58,33 +60,34 @@ class TailTables:
     gate_recv: torch.Tensor  # [M, D] G (reference)
     gate_bias: torch.Tensor  # [M] b (reference)
     write_proj: torch.Tensor  # [H, M] W of the last layer (reference)
-    head_fp8: torch.Tensor | None  # [V, H] row-scaled e4m3 copy (None: exact retrieval only)
+    head_fp8: torch.Tensor | None  # [V, H] row-scaled e4m3 copy (RetrievalMode.FP8 only)
     head_scale: torch.Tensor | None  # [V] fp32
     norm_eps: float  # eps of the final RMSNorm: y / sqrt(mean(y^2) + eps) * g
     head_topk: int = 16  # K
     num_retrieve: int = 128  # R
-    fp8_retrieval: bool = True  # config switch: FP8 scan + rescore, else the real head directly
-    head_bf16: torch.Tensor | None = None  # [V, H] bf16 copy: the CPU scan (used when fp8_retrieval is off)
+    retrieval: RetrievalMode = RetrievalMode.FP8  # how retrieve_candidates scans the head
+    head_bf16: torch.Tensor | None = None  # [V, H] bf16 copy (RetrievalMode.BF16 only)
 
     @classmethod
     def build(cls, *, codebook, gate_recv, gate_pred, value_proj, gate_bias, write_proj, head, final_norm_weight,
-              norm_eps: float, head_topk: int = 16, num_retrieve: int = 128, fp8_retrieval: bool = True,
-              bf16_retrieval: bool = False, table_dtype: torch.dtype | None = None) -> "TailTables":
-        """Build from plain tensors (``write_proj`` is the LAST layer's ``[H, M]``). Retrieval: the FP8
-        scan (``fp8_retrieval``, CUDA), a bf16 scan (``bf16_retrieval``, CPUs with native bf16), else exact."""
+              norm_eps: float, head_topk: int = 16, num_retrieve: int = 128,
+              retrieval: RetrievalMode | str = RetrievalMode.FP8,
+              table_dtype: torch.dtype | None = None) -> "TailTables":
+        """Build from plain tensors (``write_proj`` is the LAST layer's ``[H, M]``); ``retrieval``
+        decides which copy of the head is made (an FP8 one, a bf16 one, or none for exact)."""
         v = head.shape[0]
-        if fp8_retrieval and bf16_retrieval:
-            raise ValueError("fp8_retrieval / bf16_retrieval: choose at most one retrieval scan")
+        retrieval = RetrievalMode(retrieval)
         if not 1 <= head_topk <= min(num_retrieve, v):
             raise ValueError(f"head_topk: need 1 <= head_topk ({head_topk}) <= min(num_retrieve, V) "
                              f"({min(num_retrieve, v)})")
         with torch.no_grad():
             thw, tgv, gram = precompute_tail_tables(codebook, gate_pred, value_proj, write_proj, head,
                                                     final_norm_weight, dtype=table_dtype)
-            head_fp8, head_scale = quantize_head_fp8(head) if fp8_retrieval else (None, None)
-            head_bf16 = head.detach().to(torch.bfloat16).contiguous() if bf16_retrieval else None
+            fp8 = retrieval == RetrievalMode.FP8
+            head_fp8, head_scale = quantize_head_fp8(head) if fp8 else (None, None)
+            head_bf16 = head.detach().to(torch.bfloat16).contiguous() if retrieval == RetrievalMode.BF16 else None
         return cls(thw, tgv, gram, head, final_norm_weight, gate_recv, gate_bias, write_proj, head_fp8, head_scale,
-                   float(norm_eps), int(head_topk), int(num_retrieve), bool(fp8_retrieval), head_bf16)
+                   float(norm_eps), int(head_topk), int(num_retrieve), retrieval, head_bf16)
 
     @classmethod
     def from_drafter(cls, drafter, **kwargs) -> "TailTables":
@@ -131,16 +134,18 @@ class Proposal:
         return cls(zeros.clone(), q, cand, zeros)
 
 
-def retrieve_candidates(hidden: torch.Tensor, tables: TailTables, fp8_retrieval: bool | None = None):
+def retrieve_candidates(hidden: torch.Tensor, tables: TailTables, retrieval: RetrievalMode | str | None = None):
     """``hidden [N, H]`` (final-normed) -> ``(cand_ids [N, K] int64, cand_logits [N, K] fp32)``.
-    ``fp8_retrieval`` overrides the tables' choice: True the FP8 scan, False the exact head."""
-    fp8 = tables.fp8_retrieval if fp8_retrieval is None else fp8_retrieval
-    if fp8:
+    ``retrieval`` overrides the tables' mode (None: theirs); the head copy it scans must exist."""
+    mode = tables.retrieval if retrieval is None else RetrievalMode(retrieval)
+    if mode == RetrievalMode.FP8:
         if tables.head_fp8 is None:
-            raise ValueError("fp8_retrieval: TailTables was built with fp8_retrieval=False (no FP8 head copy)")
+            raise ValueError(f"retrieval: fp8 needs the FP8 head copy; these tables were built for {tables.retrieval.value}")
         return fp8_head_topk(hidden, tables.head_fp8, tables.head_scale, tables.head, tables.num_retrieve,
                              tables.head_topk)
-    if fp8_retrieval is None and tables.head_bf16 is not None:
+    if mode == RetrievalMode.BF16:
+        if tables.head_bf16 is None:
+            raise ValueError(f"retrieval: bf16 needs the bf16 head copy; these tables were built for {tables.retrieval.value}")
         return head_topk_bf16(hidden, tables.head_bf16, tables.head_topk)
     return head_topk_exact(hidden, tables.head, tables.head_topk)
 
@@ -180,7 +185,7 @@ def draw_chain_uniforms(generators: Sequence[torch.Generator | None] | None, tem
 @torch.no_grad()
 def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature: torch.Tensor,
             top_k: torch.Tensor, top_p: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None,
-            *, uniforms: torch.Tensor | None = None, fp8_retrieval: bool | None = None,
+            *, uniforms: torch.Tensor | None = None, retrieval: RetrievalMode | str | None = None,
             with_confidence: bool = True) -> Proposal:
     """Run the tail for NB blocks.
 
@@ -199,7 +204,7 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
     if anchor_ids.shape != (nb,):
         raise ValueError(f"anchor_ids: expected shape [{nb}], got {list(anchor_ids.shape)}")
     dev = hidden.device
-    cand_ids, _ = retrieve_candidates(hidden[:, 1:].reshape(nb * (bs - 1), h), tables, fp8_retrieval)
+    cand_ids, _ = retrieve_candidates(hidden[:, 1:].reshape(nb * (bs - 1), h), tables, retrieval)
     cand_ids = cand_ids.view(nb, bs - 1, -1)
     scores = conditional_tables(draft_out, tables, anchor_ids.to(dev), cand_ids)
     temperature = temperature.to(device=dev, dtype=torch.float64)

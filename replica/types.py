@@ -15,6 +15,16 @@ if TYPE_CHECKING:
     from .step_stats import StageInterval, StepRecord
 
 
+class RetrievalMode(str, enum.Enum):
+    """How the tail finds each draft row's candidate tokens (the K best of the head's logits).
+
+    It changes only what is proposed, never what is emitted (verification is exact)."""
+
+    FP8 = "fp8"  # scan a row-scaled FP8 copy of the head for R, rescore those exactly (CUDA)
+    BF16 = "bf16"  # scan a bf16 copy of the head (CPUs with native bf16 GEMMs)
+    EXACT = "exact"  # the real head, in its own dtype
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered so that ``status >= RequestStatus.FINISHED_STOPPED`` means finished."""
 
@@ -124,9 +134,10 @@ class SpecDecodingStats:
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.num_draft_slots
 
-    def observe_draft(self, num_draft: int, num_accepted: int) -> None:
+    def observe_draft(self, num_verified: int, num_accepted: int) -> None:
+        """One cycle that verified ``num_verified`` draft tokens and accepted ``num_accepted``."""
         self.num_cycles += 1
-        self.num_draft_tokens += num_draft
+        self.num_draft_tokens += num_verified
         self.num_accepted_tokens += num_accepted
         self.accepted_len_histogram[num_accepted] += 1
         for position in range(num_accepted):

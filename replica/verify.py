@@ -46,7 +46,7 @@ class VerifyResult:
     accepted ones, then exactly one recovered or bonus token.
 
     Dynamic verification: request ``b`` may verify only its first
-    ``K_b = num_draft[b] <= K`` draft tokens (a length chosen from draft-side
+    ``K_b = num_verified[b] <= K`` draft tokens (a length chosen from draft-side
     information only, so the guarantee above holds unchanged). Everything
     above then reads with ``K_b`` in place of ``K``; the rows past ``K_b`` are
     padding and never read.
@@ -57,20 +57,20 @@ class VerifyResult:
     output_ids: torch.Tensor  # [B, K + 1] int32: accepted, then recovered/bonus, then PLACEHOLDER_TOKEN_ID
     accepted_len: torch.Tensor  # [B] int64, number of accepted draft tokens (0..K_b)
     num_emitted: torch.Tensor  # [B] int64, accepted_len + 1
-    num_draft: torch.Tensor | None = None  # [B] int64 K_b, draft tokens verified (None: K for every request)
+    num_verified: torch.Tensor | None = None  # [B] int64 K_b, draft tokens verified (None: K for every request)
 
     @property
     def is_bonus(self) -> torch.Tensor:
         """[B] bool: the last emitted token is a bonus (the whole verified draft was accepted)."""
-        if self.num_draft is not None:
-            return self.accepted_len == self.num_draft
+        if self.num_verified is not None:
+            return self.accepted_len == self.num_verified
         return self.accepted_len == self.output_ids.shape[1] - 1
 
     @classmethod
-    def make_empty(cls, num_draft: int = 0, device: torch.device | str = "cpu") -> VerifyResult:
-        """A zero-request result with ``K = num_draft``, for tests and idle steps."""
+    def make_empty(cls, num_draft_slots: int = 0, device: torch.device | str = "cpu") -> VerifyResult:
+        """A zero-request result with ``K = num_draft_slots``, for tests and idle steps."""
         return cls(
-            output_ids=torch.empty(0, num_draft + 1, dtype=torch.int32, device=device),
+            output_ids=torch.empty(0, num_draft_slots + 1, dtype=torch.int32, device=device),
             accepted_len=torch.empty(0, dtype=torch.int64, device=device),
             num_emitted=torch.empty(0, dtype=torch.int64, device=device),
         )
@@ -87,26 +87,26 @@ def _check_shapes(draft_ids: torch.Tensor, target: torch.Tensor, target_name: st
     return b, k, target.shape[2]
 
 
-def _check_num_draft(num_draft: torch.Tensor | None, b: int, k: int, device) -> torch.Tensor | None:
-    if num_draft is None:
+def _check_num_verified(num_verified: torch.Tensor | None, b: int, k: int, device) -> torch.Tensor | None:
+    if num_verified is None:
         return None
-    num_draft = torch.as_tensor(num_draft, device=device).to(torch.int64)
-    if num_draft.shape != (b,):
-        raise ValueError(f"num_draft: expected shape [{b}], got {list(num_draft.shape)}")
-    if b and (int(num_draft.min()) < 0 or int(num_draft.max()) > k):
-        raise ValueError(f"num_draft: every entry must be in [0, {k}], got {num_draft.tolist()}")
-    return num_draft
+    num_verified = torch.as_tensor(num_verified, device=device).to(torch.int64)
+    if num_verified.shape != (b,):
+        raise ValueError(f"num_verified: expected shape [{b}], got {list(num_verified.shape)}")
+    if b and (int(num_verified.min()) < 0 or int(num_verified.max()) > k):
+        raise ValueError(f"num_verified: every entry must be in [0, {k}], got {num_verified.tolist()}")
+    return num_verified
 
 
-def _within_draft(accept: torch.Tensor, num_draft: torch.Tensor | None) -> torch.Tensor:
+def _within_draft(accept: torch.Tensor, num_verified: torch.Tensor | None) -> torch.Tensor:
     """accept [B, K] with the positions past each request's K_b forced to False."""
-    if num_draft is None:
+    if num_verified is None:
         return accept
-    return accept & (torch.arange(accept.shape[1], device=accept.device)[None, :] < num_draft[:, None])
+    return accept & (torch.arange(accept.shape[1], device=accept.device)[None, :] < num_verified[:, None])
 
 
 def _assemble(draft_ids: torch.Tensor, accepted_len: torch.Tensor, final_ids: torch.Tensor,
-              num_draft: torch.Tensor | None = None) -> VerifyResult:
+              num_verified: torch.Tensor | None = None) -> VerifyResult:
     """Lay out [accepted draft tokens, final token, placeholders] as [B, K + 1] int32."""
     b, k = draft_ids.shape
     pos = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, K+1]
@@ -115,7 +115,7 @@ def _assemble(draft_ids: torch.Tensor, accepted_len: torch.Tensor, final_ids: to
     out = torch.where(pos < acc, draft_padded, torch.full_like(draft_padded, PLACEHOLDER_TOKEN_ID))
     out = torch.where(pos == acc, final_ids.to(torch.int64)[:, None], out)
     return VerifyResult(output_ids=out.to(torch.int32), accepted_len=accepted_len, num_emitted=accepted_len + 1,
-                        num_draft=num_draft)
+                        num_verified=num_verified)
 
 
 def _accepted_len(accept: torch.Tensor) -> torch.Tensor:
@@ -124,20 +124,20 @@ def _accepted_len(accept: torch.Tensor) -> torch.Tensor:
 
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor,
-                  num_draft: torch.Tensor | None = None) -> VerifyResult:
+                  num_verified: torch.Tensor | None = None) -> VerifyResult:
     """Greedy verification: ``draft_ids [B, K]``, ``target_logits [B, K + 1, V]``,
-    optional ``num_draft [B]`` (dynamic verification: only the first K_b draft tokens count).
+    optional ``num_verified [B]`` (dynamic verification: only the first K_b draft tokens count).
 
     Accept the longest prefix where ``y_t == argmax`` of the target at position
     ``t`` (ties to the lower id), then emit the target's argmax at the first
     mismatch (recovered) or at row ``K_b`` (bonus).
     """
     b, k, _ = _check_shapes(draft_ids, target_logits, "target_logits")
-    num_draft = _check_num_draft(num_draft, b, k, target_logits.device)
+    num_verified = _check_num_verified(num_verified, b, k, target_logits.device)
     target_ids = target_logits.argmax(dim=-1)  # [B, K+1]; first maximum = lower id
-    accepted_len = _accepted_len(_within_draft(draft_ids.to(torch.int64) == target_ids[:, :k], num_draft))
+    accepted_len = _accepted_len(_within_draft(draft_ids.to(torch.int64) == target_ids[:, :k], num_verified))
     final_ids = target_ids.gather(1, accepted_len[:, None]).squeeze(1)
-    return _assemble(draft_ids, accepted_len, final_ids, num_draft)
+    return _assemble(draft_ids, accepted_len, final_ids, num_verified)
 
 
 def verify_sampled(
@@ -149,7 +149,7 @@ def verify_sampled(
     *,
     draft_q_ids: torch.Tensor | None = None,
     greedy: torch.Tensor | None = None,
-    num_draft: torch.Tensor | None = None,
+    num_verified: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Speculative-sampling verification with pre-drawn coins (deterministic given them).
 
@@ -169,7 +169,7 @@ def verify_sampled(
         greedy: optional ``[B]`` bool; greedy rows use argmax semantics on
             ``target_probs`` (accept ``y_t == argmax p_t``, final token ``argmax``)
             and ignore q and the coins. Pass one-hot p (temperature 0) for them.
-        num_draft: optional ``[B]`` int, dynamic verification: request ``b`` verifies only
+        num_verified: optional ``[B]`` int, dynamic verification: request ``b`` verifies only
             ``y_1 .. y_{K_b}``; if all of those pass, its bonus is drawn from ``p_{K_b + 1}``.
 
     Sampled rows: accept ``y_t`` iff ``u_t * q_t(y_t) < p_t(y_t)`` (acceptance
@@ -206,7 +206,7 @@ def verify_sampled(
         )
     if greedy is not None and greedy.shape != (b,):
         raise ValueError(f"greedy: expected shape [{b}], got {list(greedy.shape)}")
-    num_draft = _check_num_draft(num_draft, b, k, dev)
+    num_verified = _check_num_verified(num_verified, b, k, dev)
 
     f64 = torch.float64
     y = draft_ids.to(torch.int64)  # [B, K]
@@ -224,7 +224,7 @@ def verify_sampled(
     if greedy is not None:
         target_ids = target_probs.argmax(dim=-1)  # [B, K+1], ties to the lower id
         accept = torch.where(greedy[:, None], y == target_ids[:, :k], accept)
-    accepted_len = _accepted_len(_within_draft(accept, num_draft))  # [B]
+    accepted_len = _accepted_len(_within_draft(accept, num_verified))  # [B]
 
     # One dense distribution per row: residual [p - q]+ at the first rejection,
     # p itself at row K (bonus). q is zero for bonus rows.
@@ -232,7 +232,7 @@ def verify_sampled(
     if k > 0:
         t_star = accepted_len.clamp(max=k - 1)
         truncated_bonus_is_rejection = faults.active("verify.bonus_from_residual")
-        rejected = (accepted_len < (k if num_draft is None or truncated_bonus_is_rejection else num_draft))[:, None]
+        rejected = (accepted_len < (k if num_verified is None or truncated_bonus_is_rejection else num_verified))[:, None]
         if sparse:
             c = draft_q.shape[2]
             q_vals = draft_q.gather(1, t_star[:, None, None].expand(b, 1, c)).squeeze(1).to(f64)
@@ -253,4 +253,4 @@ def verify_sampled(
     if greedy is not None:
         greedy_final = target_ids.gather(1, accepted_len[:, None]).squeeze(1)
         final_ids = torch.where(greedy, greedy_final, final_ids)
-    return _assemble(draft_ids, accepted_len, final_ids, num_draft)
+    return _assemble(draft_ids, accepted_len, final_ids, num_verified)

@@ -25,6 +25,9 @@ Notable features
   step into one padded buffer for all layers. Attention is torch SDPA with GQA.
 - Feature taps: hidden state after layer i (before the final norm) for every
   new position, `[B, T, F, H]`.
+- Layers: `target_layers.py` (RMSNorm, MLP), `target_attention.py`
+  (gated full attention and the per-step context), `gated_deltanet.py`; this file is the
+  decoder layer and the model: per-request state handling and the two K/V layouts' step set-up.
 - Built on `meta` and loaded with `load_state_dict(assign=True)` by
   `loader.load_target`; parameter names equal the HF names without `model.`.
 """
@@ -38,150 +41,12 @@ from dspine import faults
 
 from .gated_deltanet import GatedDeltaNet, delta_rule_replay
 from .paged_kv_pool import PagedKVPool
+from .target_attention import Attention, PagedContext, StepContext
 from .target_config import FULL, TARGET_CONFIGS, TargetArgs
+from .target_layers import MLP, RMSNorm
 from .target_state import ReplayInputs, StepOutput, TargetState
 
 __all__ = ["TargetArgs", "TargetModel", "TargetState", "StepOutput", "TARGET_CONFIGS"]
-
-
-class RMSNorm(nn.Module):
-    """y = x_hat * (1 + w) when zero_centred (Qwen3.5), else w * x_hat (Qwen3); statistics in fp32."""
-
-    def __init__(self, dim: int, eps: float, zero_centred: bool):
-        super().__init__()
-        self.eps = eps
-        self.zero_centred = zero_centred
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centred:
-            return (y * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * y.type_as(x)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first cos.shape[-1] channels. x (B, H, T, D); cos, sin (B, 1, T, R)."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
-
-
-class _StepContext:
-    """What the full-attention layers of one forward_step share: RoPE, the K/V buffers, the mask."""
-
-    def __init__(self, cos, sin, k_buf, v_buf, starts, positions, key_len, mask, uniform_start):
-        self.cos, self.sin = cos, sin  # (B, 1, T, R)
-        self.k_buf, self.v_buf = k_buf, v_buf  # (Lf, B, Hkv, S, D)
-        self.starts = starts  # list[int] committed length per request
-        self.positions = positions  # (B, T) absolute positions of the new tokens
-        self.key_len = key_len  # keys [0, key_len) are read
-        self.mask = mask  # (B, 1, T, key_len) bool, or None (single request, T == 1)
-        self.uniform_start = uniform_start  # all requests have the same committed length
-        self.paged: _PagedContext | None = None  # paged layout, else None (contiguous / stateless)
-
-
-class _PagedContext:
-    """Paged layout: where this step's new rows go and how attention reads the pool."""
-
-    def __init__(self, pool, new_slots, valid, block_table, starts, read_slots, backend):
-        self.pool = pool
-        self.new_slots = new_slots  # [N] int64 flat slots of the valid new rows, (b, t) row-major
-        self.valid = valid  # [B, T] bool, or None (every row is real)
-        self.block_table = block_table  # [B, W] int32, padded with the sink block
-        self.starts = starts  # [B] int32 committed length per request (device)
-        self.read_slots = read_slots  # [B, key_len] int64 for the CPU gather, or None (in-place kernels)
-        self.backend = backend  # "torch" | "triton" | "flash"
-
-
-class Attention(nn.Module):
-    def __init__(self, args: TargetArgs):
-        super().__init__()
-        self.n_head, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.gated = args.attn_output_gate
-        q_out = self.n_head * self.head_dim * (2 if self.gated else 1)
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, args.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.zero_centred_norm)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.zero_centred_norm)
-
-    def forward(self, x: torch.Tensor, ctx: _StepContext, idx: int) -> torch.Tensor:
-        B, T, C = x.size()
-        D = self.head_dim
-        q = self.q_proj(x)
-        if self.gated:  # per head: [query (D) | gate (D)]
-            q, gate = q.view(B, T, self.n_head, 2 * D).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, self.n_head * D)
-        q = self.q_norm(q.reshape(B, T, self.n_head, D)).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, D)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-
-        if ctx.paged is not None:
-            return self._paged(q, k, v, ctx, idx, gate if self.gated else None)
-        if ctx.k_buf is None:  # stateless (training): the keys are exactly the new tokens
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
-            return self._output(y, gate if self.gated else None)
-        k_buf, v_buf = ctx.k_buf[idx], ctx.v_buf[idx]  # (B, Hkv, S, D)
-        if ctx.uniform_start:
-            n = ctx.starts[0]
-            k_buf[:, :, n : n + T] = k
-            v_buf[:, :, n : n + T] = v
-        else:
-            b_idx = torch.arange(B, device=x.device)[:, None].expand(B, T)
-            k_buf[b_idx, :, ctx.positions] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
-            v_buf[b_idx, :, ctx.positions] = v.transpose(1, 2)
-        keys, values = k_buf[:, :, : ctx.key_len], v_buf[:, :, : ctx.key_len]  # (B, Hkv, S, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=self.n_kv != self.n_head)
-        return self._output(y, gate if self.gated else None)
-
-    def _paged(self, q, k, v, ctx: "_StepContext", idx: int, gate):
-        """q (B, Hq, T, D); k, v (B, Hkv, T, D): store the new rows in the pool, attend over it."""
-        B, _, T, D = q.shape
-        p = ctx.paged
-        k_rows, v_rows = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, Hkv, D)
-        slots = p.new_slots
-        if p.valid is None or faults.active("paged_kv.write_padded_rows"):
-            k_rows, v_rows = k_rows.reshape(B * T, self.n_kv, D), v_rows.reshape(B * T, self.n_kv, D)
-            if p.valid is not None:
-                slots = p.pool.slots(p.block_table, ctx.positions).reshape(-1)
-        else:  # padded rows never reach the pool
-            k_rows, v_rows = k_rows[p.valid], v_rows[p.valid]
-        p.pool.write(idx, slots, k_rows, v_rows)
-        if p.read_slots is not None:  # CPU: transient gather, then exactly the contiguous layout's SDPA
-            keys, values = p.pool.gather(idx, p.read_slots)  # (B, Hkv, key_len, D)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask,
-                                               enable_gqa=self.n_kv != self.n_head)
-        else:  # CUDA: the pool is read in place
-            from dspine.kernels.paged_attention import paged_attention
-
-            y = paged_attention(q.transpose(1, 2), p.pool.layer_k(idx), p.pool.layer_v(idx), p.block_table,
-                                p.starts, D**-0.5, backend=p.backend).transpose(1, 2)
-        return self._output(y, gate)
-
-    def _output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        B, _, T, D = y.size()  # (B, Hq, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * D)  # (B, T, Hq * D)
-        if gate is not None:
-            y = y * torch.sigmoid(gate)
-        return self.o_proj(y)
-
-
-class MLP(nn.Module):
-    def __init__(self, args: TargetArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -306,7 +171,7 @@ class TargetModel(nn.Module):
 
         ctx = None
         if a.full_layer_ids and stateless:
-            ctx = _StepContext(cos, sin, None, None, starts, positions, T, None, uniform_start=True)
+            ctx = StepContext(cos, sin, None, None, starts, positions, T, None, uniform_start=True)
         elif a.full_layer_ids and states[0].kv_pool is not None:
             ctx = self._paged_context(states, starts, lens, positions, valid, T, cos, sin)
         elif a.full_layer_ids:
@@ -327,7 +192,7 @@ class TargetModel(nn.Module):
             mask = None
             if B > 1 or T > 1:
                 mask = (torch.arange(key_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
-            ctx = _StepContext(cos, sin, k_buf, v_buf, starts, positions, key_len, mask,
+            ctx = StepContext(cos, sin, k_buf, v_buf, starts, positions, key_len, mask,
                                uniform_start=len(set(starts)) == 1)
 
         if a.linear_layer_ids:
@@ -410,7 +275,7 @@ class TargetModel(nn.Module):
             if s.kv_pool is not None:  # rejected rows: only the length rewinds; whole blocks past it go back
                 s.kv_pool.truncate(s.kv_id, s.num_tokens)
 
-    def _paged_context(self, states, starts, lens, positions, valid, T, cos, sin) -> _StepContext:
+    def _paged_context(self, states, starts, lens, positions, valid, T, cos, sin) -> StepContext:
         """Reserve blocks for the new rows (all or nothing) and say where they go; no K/V is copied."""
         from dspine.kernels.paged_attention import paged_backend
 
@@ -433,9 +298,9 @@ class TargetModel(nn.Module):
         mask = None
         if B > 1 or T > 1:  # the contiguous layout's mask, so the CPU path gives the same bits
             mask = (torch.arange(key_len, device=device)[None, None, :] <= positions[:, :, None])[:, None]
-        ctx = _StepContext(cos, sin, None, None, starts, positions, key_len, mask, uniform_start=len(set(starts)) == 1)
+        ctx = StepContext(cos, sin, None, None, starts, positions, key_len, mask, uniform_start=len(set(starts)) == 1)
         starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
-        ctx.paged = _PagedContext(pool, new_slots, valid, table, starts_t, read_slots, backend)
+        ctx.paged = PagedContext(pool, new_slots, valid, table, starts_t, read_slots, backend)
         return ctx
 
     def _replay(self, states: list[TargetState], ks: list[int]) -> None:

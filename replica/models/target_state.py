@@ -73,8 +73,8 @@ class TargetState:
         self.pending_conv = self.pending_recurrent = None
         self.replay = None
 
-    def release(self) -> None:
-        """Drop every tensor; the state must not be used afterwards."""
+    def free(self) -> None:
+        """Free every tensor and K/V block; the state must not be used afterwards."""
         self.clear_pending()
         if self.kv_pool is not None:
             self.kv_pool.free_request(self.kv_id)

@@ -124,9 +124,10 @@ def test_nine_streams_eighth_full_ninth_refused_cancel_frees_slot(serve, gate_fo
             streams[0].cancel()  # client cancel mid-stream
             with pytest.raises(Cancelled):
                 await streams[0].__anext__()
-            await asyncio.to_thread(wait_until, lambda: engine.num_live_states()["requests"] == 7, 20, "cancel")
-            after = engine.num_live_states()
-            assert after["target_states"] == 7 and after["draft_slots"] < full["draft_slots"]
+            # The cancel ends the request and frees its slot at once; its device state is freed at the
+            # next step boundary, on the device thread (the gate holds steps: the final idle check).
+            await asyncio.to_thread(wait_until, lambda: engine.num_unfinished() == 7, 20, "cancel")
+            assert engine.load().in_flight == 7
 
             gate.open()  # the freed slot takes a new request, which runs to the end with the other 7
             newcomer = await client.generate(token_ids=[9, 9, 9], max_new_tokens=5, speculative=False)
@@ -151,8 +152,9 @@ def test_stream_deadline_cancels_request(serve, gate_for):
         with pytest.raises(DeadlineExceeded):
             for _ in stream:
                 pass
-        wait_until(lambda: idle(engine), what="deadline frees the slot")
-        gate.open()
+        wait_until(lambda: engine.num_unfinished() == 0, what="deadline frees the slot")
+        gate.open()  # the next step boundary frees its device state, on the device thread
+        wait_until(lambda: idle(engine), what="deadline frees the device state")
         assert client.generate(token_ids=PROMPT, max_new_tokens=3, timeout=30).finish_reason == "length"
 
 

@@ -148,7 +148,7 @@ def test_target_reads_the_pool_in_place_through_each_backend(kernel_module, stub
         logits[name] = [out.logits[b, : len(r)] for b, r in enumerate(rows)]
         assert (pool.bytes_gathered == 0) == (name != "torch")
         for s in states:
-            s.release()
+            s.free()
     for ref, got in zip(logits["torch"], logits[backend]):
         assert torch.allclose(ref, got, atol=1e-4, rtol=1e-4)
     assert backend != "flash" or len(stub_flash_attn) == 2 * len(model.args.full_layer_ids)

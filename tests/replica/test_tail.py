@@ -41,7 +41,7 @@ def build_tables(p, fp8=True, k=K, r=R):
     return TailTables.build(codebook=p["codebook"], gate_recv=p["gate_recv"], gate_pred=p["gate_pred"],
                             value_proj=p["value_proj"], gate_bias=p["gate_bias"], write_proj=p["write_proj"],
                             head=p["head"], final_norm_weight=p["final_norm_weight"], norm_eps=EPS,
-                            head_topk=k, num_retrieve=r, fp8_retrieval=fp8)
+                            head_topk=k, num_retrieve=r, retrieval="fp8" if fp8 else "exact")
 
 
 def slow_score(p, out, n, t, pred_code, recv_id):
@@ -69,7 +69,7 @@ def test_tables_equal_slow_recomputation_for_every_pair(table_dtype):
     p = make_params()
     out, anchors = make_draft_out(p)
     tables = TailTables.build(**{k: v for k, v in p.items() if k != "read_proj"}, norm_eps=EPS, head_topk=K,
-                              num_retrieve=R, fp8_retrieval=False, table_dtype=table_dtype)
+                              num_retrieve=R, retrieval="exact", table_dtype=table_dtype)
     g = torch.Generator().manual_seed(7)
     cand = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(NB * (BS - 1))]).view(NB, BS - 1, K)
     scores = conditional_tables(out, tables, anchors, cand)
@@ -163,9 +163,9 @@ def test_tables_memory_and_switch():
     assert nbytes["token_head_write"] == V * M * 4 and nbytes["token_gate_value"] == V * 2 * M * 4
     assert nbytes["head_fp8"] == 0
     out, anchors = make_draft_out(p)
-    with pytest.raises(ValueError, match="fp8_retrieval"):
+    with pytest.raises(ValueError, match="retrieval: fp8 needs the FP8 head copy"):
         propose(out, t, anchors, torch.zeros(NB), torch.zeros(NB, dtype=torch.int64), torch.ones(NB),
-                fp8_retrieval=True)
+                retrieval="fp8")
     assert Proposal.make_dummy(2, 4, 3).q.sum(-1).eq(1).all()
 
 
@@ -175,16 +175,18 @@ def test_bf16_retrieval_tables_and_switch():
     args = dict(norm_eps=EPS, head_topk=K, num_retrieve=R)
     common = {k: p[k] for k in ("codebook", "gate_recv", "gate_pred", "value_proj", "gate_bias", "write_proj",
                                 "head", "final_norm_weight")}
-    t = TailTables.build(**common, **args, fp8_retrieval=False, bf16_retrieval=True)
+    t = TailTables.build(**common, **args, retrieval="bf16")
     assert t.nbytes()["head_bf16"] == V * H * 2 and t.head_bf16.dtype == torch.bfloat16
     hidden = out.hidden[:, 1:].reshape(-1, H)
     from dspine.replica.tail import retrieve_candidates
 
     from dspine.kernels import head_topk_bf16, head_topk_exact
     assert torch.equal(retrieve_candidates(hidden, t)[0], head_topk_bf16(hidden, t.head_bf16, K)[0])
-    assert torch.equal(retrieve_candidates(hidden, t, fp8_retrieval=False)[0], head_topk_exact(hidden, t.head, K)[0])
-    with pytest.raises(ValueError, match="bf16_retrieval"):
-        TailTables.build(**common, **args, fp8_retrieval=True, bf16_retrieval=True)
+    assert torch.equal(retrieve_candidates(hidden, t, "exact")[0], head_topk_exact(hidden, t.head, K)[0])
+    with pytest.raises(ValueError, match="retrieval: fp8 needs"):
+        retrieve_candidates(hidden, t, "fp8")
+    with pytest.raises(ValueError, match="'fast' is not a valid RetrievalMode"):
+        TailTables.build(**common, **args, retrieval="fast")
 
 
 def test_from_drafter_builds_the_same_tables():
@@ -195,7 +197,7 @@ def test_from_drafter_builds_the_same_tables():
     head = torch.randn(args.vocab_size, args.hidden_size)
     drafter = dspine.DSpineDrafter(args, embed_tokens=None, lm_head_weight=head)
     drafter.init_weights(torch.Generator().manual_seed(42))
-    t = TailTables.from_drafter(drafter, fp8_retrieval=False)
+    t = TailTables.from_drafter(drafter, retrieval="exact")
     br = drafter.bridge
     want = (head * drafter.norm.weight.detach()) @ br.write_proj[-1].detach()
     torch.testing.assert_close(t.token_head_write, want)

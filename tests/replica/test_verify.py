@@ -365,11 +365,11 @@ def test_two_committed_tokens_follow_target_joint():
     assert chi2_pvalue(two_tokens(200_000, seed=1, broken=True), joint) < 1e-12
 
 
-# ---------------------------------------------------------------- dynamic verification (num_draft)
-def test_greedy_num_draft_stops_at_each_requests_length():
+# ---------------------------------------------------------------- dynamic verification (num_verified)
+def test_greedy_num_verified_stops_at_each_requests_length():
     draft = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
     target = one_hot_logits([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 7, 3, 4, 5]])
-    res = verify_greedy(draft, target, num_draft=torch.tensor([2, 0, 3]))
+    res = verify_greedy(draft, target, num_verified=torch.tensor([2, 0, 3]))
     # request 0 verifies y1, y2 (both right): bonus = target argmax at row 2 (3), not y3
     # request 1 verifies nothing: the target's own token at row 0
     # request 2 verifies y1..y3 and is rejected at y2
@@ -378,7 +378,7 @@ def test_greedy_num_draft_stops_at_each_requests_length():
 
 
 @pytest.mark.parametrize("greedy_rows", [False, True])
-def test_sampled_num_draft_equals_verifying_the_truncated_draft(greedy_rows):
+def test_sampled_num_verified_equals_verifying_the_truncated_draft(greedy_rows):
     """With the same p, q and coins, verifying K_b of K tokens gives exactly what verifying a
     K_b-token draft gives (the rows past K_b are never read)."""
     g = torch.Generator().manual_seed(0)
@@ -391,7 +391,7 @@ def test_sampled_num_draft_equals_verifying_the_truncated_draft(greedy_rows):
     u_final = torch.rand(b, generator=g, dtype=F64)
     lengths = torch.tensor([0, 1, 2, 3, 5, 4])
     greedy = torch.tensor([greedy_rows, False, greedy_rows, False, greedy_rows, False])
-    res = verify_sampled(draft, q, p, u, u_final, greedy=greedy, num_draft=lengths)
+    res = verify_sampled(draft, q, p, u, u_final, greedy=greedy, num_verified=lengths)
     for i, n in enumerate(lengths.tolist()):
         alone = verify_sampled(draft[i : i + 1, :n], q[i : i + 1, :n], p[i : i + 1, : n + 1], u[i : i + 1, :n],
                                u_final[i : i + 1], greedy=greedy[i : i + 1])
@@ -400,9 +400,9 @@ def test_sampled_num_draft_equals_verifying_the_truncated_draft(greedy_rows):
     assert (res.accepted_len <= lengths).all()
 
 
-def test_num_draft_is_validated():
+def test_num_verified_is_validated():
     draft = torch.tensor([[1, 2]])
-    with pytest.raises(ValueError, match="num_draft"):
-        verify_greedy(draft, one_hot_logits([[1, 2, 3]]), num_draft=torch.tensor([3]))
-    with pytest.raises(ValueError, match="num_draft"):
-        verify_greedy(draft, one_hot_logits([[1, 2, 3]]), num_draft=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="num_verified"):
+        verify_greedy(draft, one_hot_logits([[1, 2, 3]]), num_verified=torch.tensor([3]))
+    with pytest.raises(ValueError, match="num_verified"):
+        verify_greedy(draft, one_hot_logits([[1, 2, 3]]), num_verified=torch.tensor([1, 1]))

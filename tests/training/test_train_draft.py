@@ -134,7 +134,7 @@ def test_tail_loss_scores_equal_serving_tail_tables():
         idx = anchors[..., None] + torch.arange(BS)
         block = tokens[0, idx[0]]  # [A, BS]
         loss_logits = d.logits(tail_hidden(d, out, block[None, :, :-1]))[0]  # [A, BS-1, V]
-        tables = TailTables.from_drafter(d, fp8_retrieval=False)
+        tables = TailTables.from_drafter(d, retrieval="exact")
         K = d.args.head_topk
         cand = torch.randint(0, d.args.vocab_size, (2, BS - 1, K), generator=g)
         cand[:, :, 0] = block[:, 1:]  # the true token is candidate 0; row t-1's true token is its slot 0

@@ -33,5 +33,5 @@ def sample_continuations(target, prompts: torch.Tensor, total_len: int, temperat
             step = target.forward_step(nxt[:, None], states)
             target.commit(states, [1] * B)
     for s in states:
-        s.release()
+        s.free()
     return out

@@ -100,7 +100,7 @@ def test_paged_logits_equal_contiguous_bit_for_bit(preset, batch):
     # after every commit each request holds exactly the blocks its committed length needs
     assert pool.used == sum(pool.blocks_needed(s.num_tokens) for s in paged)
     for s in paged:
-        s.release()
+        s.free()
     assert pool.used == 0
 
 
@@ -150,4 +150,4 @@ def test_batch8_step_writes_only_the_new_rows(fault):
     copies = [c for *_, c in _bytes_per_step(model, contiguous, pool, LENGTHS[8])]
     assert all(c > 0 for c in copies)
     for s in paged:
-        s.release()
+        s.free()
