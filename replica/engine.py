@@ -36,6 +36,7 @@ from typing import Callable
 from dspine import faults
 
 from .config import EngineConfig
+from .description import EngineDescription, describe_engine, resolve_eos_token_ids
 from .device_thread import DeviceThread
 from .engine_frontends import EngineFrontends
 from .engine_loading import EngineLoading, build_runtime, load_models  # noqa: F401 - load_models re-exported
@@ -96,7 +97,7 @@ class Engine(EngineLoading, EngineFrontends, EngineLoop, EngineMonitoring):
         self._validate_prompt(prompt_token_ids)
         self._validate_logit_bias(params)
         request_id = request_id or uuid.uuid4().hex
-        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else tuple(self.target.args.eos_token_id)
+        eos = resolve_eos_token_ids(self.tokenizer, self.target.args)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         try:
             checker = StopChecker(params, len(prompt_token_ids), self.max_seq_len, eos, decode)
@@ -114,6 +115,10 @@ class Engine(EngineLoading, EngineFrontends, EngineLoop, EngineMonitoring):
                 self._sinks[request_id] = sink
             self._work.notify_all()
         return request_id
+
+    def describe(self) -> EngineDescription:
+        """What a front end may know of this engine: the model's limits, the drafter, the tokenizer."""
+        return describe_engine(self)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request at any moment, without waiting for a running step: it ends CANCELLED at

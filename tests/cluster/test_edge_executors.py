@@ -142,12 +142,17 @@ def _fill_and_hold(serve, gate_for, engine, requests):
     return server, client, hold, streams
 
 
-@pytest.mark.parametrize("fault", [None, "servicer.admission_waits_for_engine"], ids=["fixed", "waits-for-engine"])
+# The old design: the edge finds a full engine only through engine.add_request, and that waits
+# for the lock a step holds while the model runs (either fix alone answers at once).
+_OLD_ADMISSION = ("servicer.admission_waits_for_engine", "engine.admission_waits_for_step")
+
+
+@pytest.mark.parametrize("fault", [None, _OLD_ADMISSION], ids=["fixed", "waits-for-engine"])
 def test_a_full_engine_refuses_while_a_step_holds_the_engine(serve, gate_for, fault):
     engine = make_engine(with_drafter=False, max_concurrency=2)
     server, client, hold, streams = _fill_and_hold(serve, gate_for, engine, [([3, 4], 8, False), ([5, 6], 8, False)])
     try:
-        with faults.inject(*([fault] if fault else [])):
+        with faults.inject(*(fault or ())):
             expected = DeadlineExceeded if fault else ResourceExhausted  # with the bug: stuck behind the step
             with pytest.raises(expected) as refused:
                 client.generate(token_ids=[7, 8], max_new_tokens=2, timeout=3)
@@ -162,15 +167,20 @@ def test_a_full_engine_refuses_while_a_step_holds_the_engine(serve, gate_for, fa
     wait_until(lambda: idle(engine), what="no live state")
 
 
-@pytest.mark.xfail(reason="needs the lock-free engine admission", strict=True)
-def test_a_request_the_draft_pool_cannot_hold_is_refused_while_a_step_holds_the_engine(serve, gate_for):
+@pytest.mark.parametrize("fault", [None, "engine.admission_waits_for_step"], ids=["fixed", "waits-for-step"])
+def test_a_request_the_draft_pool_cannot_hold_is_refused_while_a_step_holds_the_engine(serve, gate_for, fault):
     # 40 draft slots; the held request reserves 20 + 10 = 30, the second needs 30 as well: the
-    # engine's memory admission (not the slot count) refuses it, and that check needs the engine.
+    # engine's memory admission (not the slot count) refuses it, and it does not wait for the step.
     engine = make_engine(draft_pool_tokens=41, admission_when_full="refuse")
     server, client, hold, streams = _fill_and_hold(serve, gate_for, engine, [([3] * 20, 10, True)])
     try:
-        with pytest.raises(ResourceExhausted, match="draft KV pool is full"):
-            client.generate(token_ids=[4] * 20, max_new_tokens=10, speculative=True, timeout=3)
+        with faults.inject(*([fault] if fault else [])):
+            if fault:
+                with pytest.raises(DeadlineExceeded):  # with the bug: stuck behind the step
+                    client.generate(token_ids=[4] * 20, max_new_tokens=10, speculative=True, timeout=3)
+            else:
+                with pytest.raises(ResourceExhausted, match="draft KV pool is full"):
+                    client.generate(token_ids=[4] * 20, max_new_tokens=10, speculative=True, timeout=3)
         assert not hold.release.is_set()
     finally:
         hold.release.set()
