@@ -14,4 +14,6 @@ never import this package (tests/test_packaging.py); the CLI's ``dspine bench`` 
 ``cluster``                ``dspine bench cluster``: the serving path vs the engine (``load``, ``servers``)
 ``acceptance``             ``python -m dspine.benchmarks.acceptance``: Gumbel vs rejection sampling acceptance
 ``prompts``                held-out stdlib prompts (or seeded random ids) shared by the benches
+``refusal_latency``        ``python -m dspine.benchmarks.refusal_latency``: RESOURCE_EXHAUSTED latency, 200 streams on 8 slots
+``engine_refusal_latency`` ``python -m dspine.benchmarks.engine_refusal_latency``: the engine's refusals while it steps
 """

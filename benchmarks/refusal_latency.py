@@ -1,6 +1,6 @@
 """Probe: how fast does a full standalone server say RESOURCE_EXHAUSTED? (issue 20, item 7)
 
-    python benchmarks/refusal_latency.py [--streams 200] [--slots 8] [--seconds 20] [--no-baseline]
+    python -m dspine.benchmarks.refusal_latency [--streams 200] [--slots 8] [--seconds 20] [--no-baseline]
 
 Serves the embedded pair with ``max_concurrency = --slots`` on a local socket (in
 a child process, so the callers do not compete for the server's GIL) and opens ``--streams`` concurrent GenerateStream callers. Each caller loops: open a
@@ -76,7 +76,7 @@ class ServerProcess:
     """:func:`_serve` in a child process, so the callers' work does not take the server's GIL."""
 
     def __init__(self, args, old_design: bool):
-        command = [sys.executable, __file__, "--serve", "--slots", str(args.slots)]
+        command = [sys.executable, "-m", "dspine.benchmarks.refusal_latency", "--serve", "--slots", str(args.slots)]
         self.process = subprocess.Popen(command + (["--old-design"] if old_design else []),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.process.stdout.readline()
