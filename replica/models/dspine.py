@@ -29,12 +29,12 @@ from typing import Hashable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from dspine.kernels import bridge as bridge_op
 from dspine.kernels.bridge import bridge_ref
 from dspine.kernels import draft_attention
 from dspine.replica.models.dspine_config import DraftArgs
+from dspine.replica.models.swiglu import SwiGLU
 
 __all__ = ["DraftArgs", "DraftOut", "DSpineDrafter", "RMSNorm", "RotaryTables", "apply_rope"]
 
@@ -166,24 +166,13 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(B, A, BS, a.q_dim))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, a: DraftArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
     def __init__(self, a: DraftArgs):
         super().__init__()
         self.attn_norm = RMSNorm(a.hidden_size, a.norm_eps)
         self.attn = Attention(a)
         self.mlp_norm = RMSNorm(a.hidden_size, a.norm_eps)
-        self.mlp = FeedForward(a)
+        self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
 
     def forward(self, x, pos, pool_k, pool_v, ctx_slots, ctx_lens):
         x = x + self.attn(self.attn_norm(x), pos, pool_k, pool_v, ctx_slots, ctx_lens)

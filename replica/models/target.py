@@ -25,7 +25,7 @@ Notable features
   step into one padded buffer for all layers. Attention is torch SDPA with GQA.
 - Feature taps: hidden state after layer i (before the final norm) for every
   new position, `[B, T, F, H]`.
-- Layers: `target_layers.py` (RMSNorm, MLP), `target_attention.py`
+- Layers: `target_layers.py` (RMSNorm), `swiglu.py` (the MLP), `target_attention.py`
   (gated full attention and the per-step context), `gated_deltanet.py`; this file is the
   decoder layer and the model: per-request state handling and the two K/V layouts' step set-up.
 - Built on `meta` and loaded with `load_state_dict(assign=True)` by
@@ -43,7 +43,8 @@ from .gated_deltanet import GatedDeltaNet, delta_rule_replay
 from .paged_kv_pool import PagedKVPool
 from .target_attention import Attention, PagedContext, StepContext
 from .target_config import FULL, TARGET_CONFIGS, TargetArgs
-from .target_layers import MLP, RMSNorm
+from .swiglu import SwiGLU
+from .target_layers import RMSNorm
 from .target_state import ReplayInputs, StepOutput, TargetState
 
 __all__ = ["TargetArgs", "TargetModel", "TargetState", "StepOutput", "TARGET_CONFIGS"]
@@ -58,7 +59,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(args)
         else:
             self.linear_attn = GatedDeltaNet(args)
-        self.mlp = MLP(args)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centred_norm)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centred_norm)
 

@@ -1,12 +1,10 @@
-"""The target's plain layers: (zero-centred) RMSNorm and the SwiGLU MLP."""
+"""The target's RMSNorm (zero-centred for Qwen3.5); its MLP is models/swiglu.py, shared with the drafter."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .target_config import TargetArgs
 
 
 class RMSNorm(nn.Module):
@@ -24,14 +22,3 @@ class RMSNorm(nn.Module):
         if self.zero_centred:
             return (y * (1.0 + self.weight.float())).type_as(x)
         return self.weight * y.type_as(x)
-
-
-class MLP(nn.Module):
-    def __init__(self, args: TargetArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
