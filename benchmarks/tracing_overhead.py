@@ -18,12 +18,12 @@ def bench_tracing_overhead(engine, prompts: list[list[int]], params, repeats: in
 
     from dspine.cluster import tracing
 
+    # A provider of the bench's own (the process-wide one can be set only once, and a server or a
+    # test in the same process may want it): what a traced server adds is the same.
+    provider = None
     if not tracing.enabled():
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-        from opentelemetry import trace
-
-        trace.set_tracer_provider(provider)
     ratios, off_s, on_s = [], [], []
     for repeat in range(repeats):
         for i, prompt in enumerate(prompts):
@@ -34,7 +34,7 @@ def bench_tracing_overhead(engine, prompts: list[list[int]], params, repeats: in
                 result = engine.generate(prompt, params)
                 if traced:
                     attributes = tracing.result_attributes(result.request_id, result.finish_reason, result.stats)
-                    tracing.record_engine_spans(result.stats, None, attributes)
+                    tracing.record_engine_spans(result.stats, None, attributes, tracer_provider=provider)
                 measured[traced] = time.perf_counter() - start
             engine.set_precise_timing(False)
             off_s.append(measured[False])

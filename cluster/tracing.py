@@ -166,37 +166,42 @@ def result_attributes(request_id: str, finish_reason: str, stats) -> dict:
     return attributes
 
 
-def _span(name: str, parent_ctx, start: float, end: float, attributes: Mapping | None = None):
-    span = tracer().start_span(name, context=parent_ctx, start_time=to_epoch_ns(start), attributes=attributes)
+def _span(span_tracer, name: str, parent_ctx, start: float, end: float, attributes: Mapping | None = None):
+    span = span_tracer.start_span(name, context=parent_ctx, start_time=to_epoch_ns(start), attributes=attributes)
     return span, trace.set_span_in_context(span, parent_ctx), to_epoch_ns(max(end, start))
 
 
-def record_engine_spans(stats, parent_ctx, attributes: Mapping | None = None, max_step_spans: int = 64) -> None:
-    """The spans of one finished request from its ``RequestStats`` (see the module docstring)."""
-    if stats is None or stats.finish_time is None or not enabled():
+def record_engine_spans(stats, parent_ctx, attributes: Mapping | None = None, max_step_spans: int = 64,
+                        tracer_provider=None) -> None:
+    """The spans of one finished request from its ``RequestStats`` (see the module docstring), into
+    the process's tracer provider, or into ``tracer_provider`` (a bench's own, which leaves the
+    process-wide provider unset: OpenTelemetry lets a process set that only once)."""
+    if stats is None or stats.finish_time is None or (tracer_provider is None and not enabled()):
         return
+    span_tracer = tracer() if tracer_provider is None else tracer_provider.get_tracer(TRACER_NAME)
     try:
-        _record(stats, parent_ctx, dict(attributes or {}), max_step_spans)
+        _record(span_tracer, stats, parent_ctx, dict(attributes or {}), max_step_spans)
     except Exception:  # noqa: BLE001
         logger.exception("could not record the engine spans of a request")
 
 
-def _record(stats, parent_ctx, attributes: dict, max_step_spans: int) -> None:
-    root, root_ctx, root_end = _span("dspine.engine", parent_ctx, stats.arrival_time, stats.finish_time, attributes)
+def _record(span_tracer, stats, parent_ctx, attributes: dict, max_step_spans: int) -> None:
+    root, root_ctx, root_end = _span(span_tracer, "dspine.engine", parent_ctx, stats.arrival_time, stats.finish_time,
+                                     attributes)
     scheduled = stats.scheduled_time if stats.scheduled_time is not None else stats.arrival_time
-    queue, _, queue_end = _span("dspine.queue", root_ctx, stats.arrival_time, scheduled)
+    queue, _, queue_end = _span(span_tracer, "dspine.queue", root_ctx, stats.arrival_time, scheduled)
     queue.end(end_time=queue_end)
     steps = stats.steps
     prefill_steps = [s for s in steps if any(i.stage == "prefill" for i in s.intervals)]
     decode_start = scheduled
     if prefill_steps:
         first = prefill_steps[0]
-        prefill, _, prefill_end = _span("dspine.prefill", root_ctx, first.start, first.end,
+        prefill, _, prefill_end = _span(span_tracer, "dspine.prefill", root_ctx, first.start, first.end,
                                         {"gen_ai.usage.input_tokens": stats.num_prompt_tokens})
         prefill.end(end_time=prefill_end)
         decode_start = first.end
         steps = [s for s in steps if s is not first]
-    decode, decode_ctx, decode_end = _span("dspine.decode", root_ctx, decode_start, stats.finish_time,
+    decode, decode_ctx, decode_end = _span(span_tracer, "dspine.decode", root_ctx, decode_start, stats.finish_time,
                                            {"dspine.steps": len(steps)})
     keep = steps
     if len(steps) > max_step_spans:
@@ -211,11 +216,12 @@ def _record(stats, parent_ctx, attributes: dict, max_step_spans: int) -> None:
         if speculative and request_id in step.accepted_len:
             step_attributes["dspine.accepted_len"] = step.accepted_len[request_id]
             step_attributes["dspine.verified_rows"] = step.num_verified.get(request_id, 0)
-        span, span_ctx, span_end = _span("dspine.cycle" if speculative else "dspine.target_step", decode_ctx,
-                                         step.start, step.end, step_attributes)
+        span, span_ctx, span_end = _span(span_tracer, "dspine.cycle" if speculative else "dspine.target_step",
+                                         decode_ctx, step.start, step.end, step_attributes)
         if speculative:
             for interval in own:
-                child, _, child_end = _span(f"dspine.{interval.stage}", span_ctx, interval.start, interval.end)
+                child, _, child_end = _span(span_tracer, f"dspine.{interval.stage}", span_ctx, interval.start,
+                                            interval.end)
                 child.end(end_time=child_end)
         span.end(end_time=span_end)
     decode.end(end_time=decode_end)
