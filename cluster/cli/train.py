@@ -24,6 +24,9 @@ def add_parser(commands) -> None:
                              help="target-greedy continuations to distil from")
     train_draft.add_argument("--threads", type=int, default=None,
                              help="torch threads (1 makes the run bit-reproducible on one machine)")
+    train_draft.add_argument("--stream-features", action="store_true",
+                             help="recompute the target's features per training step instead of keeping them for "
+                                  "every sequence (memory independent of --num-sequences)")
     train_target.set_defaults(handler=cmd_train_target)
     train_draft.set_defaults(handler=cmd_train_draft)
 
@@ -40,7 +43,8 @@ def cmd_train_draft(args) -> int:
     from dspine.training.draft import DraftTrainConfig, train_draft
 
     given = {"steps": args.steps, "seed": args.seed, "max_files": args.max_files,
-             "num_sequences": args.num_sequences, "threads": args.threads}
+             "num_sequences": args.num_sequences, "threads": args.threads,
+             "stream_features": args.stream_features or None}
     train_draft(DraftTrainConfig(target_dir=args.target, out_dir=args.out,
                                  **{k: v for k, v in given.items() if v is not None}))
     return 0

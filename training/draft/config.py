@@ -63,5 +63,9 @@ class DraftTrainConfig:
     soft_label_topk: int = 0
     soft_label_weight: float = 0.5
     threads: int = 0  # 0 -> torch's default
+    # Recompute the target's features and labels for each step's batch instead of keeping them for
+    # every sequence: memory no longer grows with num_sequences (16,384 x 256 positions x 5 taps x
+    # 256 dims held 11 GB in bf16) for one extra target forward per step. The same tensors either way.
+    stream_features: bool = False
     log_every: int = 50
 

@@ -56,12 +56,18 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
                                            cache_dir / f"train-{tag}.safetensors", log, settings)
     gen_seconds = time.time() - t0
-    features, greedy, soft = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
-    on_path = (tokens[:, 1:] == greedy[:, :-1]).float().mean()
-    log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
-        f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens; {100 * on_path:.1f}% of all next "
-        f"tokens equal the target's argmax), features {tuple(features.shape)} bf16; "
-        f"data ready after {time.time() - t0:.0f} s")
+    if cfg.stream_features:
+        features = greedy = soft = None  # each step's batch gets its own target pass
+        log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
+            f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens); features streamed per step; "
+            f"data ready after {time.time() - t0:.0f} s")
+    else:
+        features, greedy, soft = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
+        on_path = (tokens[:, 1:] == greedy[:, :-1]).float().mean()
+        log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
+            f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens; {100 * on_path:.1f}% of all next "
+            f"tokens equal the target's argmax), features {tuple(features.shape)} bf16; "
+            f"data ready after {time.time() - t0:.0f} s")
 
     drafter = DSpineDrafter(args, target.embed_tokens, target.lm_head_weight)
     drafter.init_weights(torch.Generator().manual_seed(cfg.seed))
@@ -83,8 +89,14 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
         idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=g)
         anchors = sample_anchors(prompt_len[idx], L, args.block_size, cfg.anchors_per_seq, g,
                                  cfg.early_frac, cfg.early_span, cfg.text_anchors)
-        res = block_losses(drafter, features[idx].float(), tokens[idx], greedy[idx], anchors, weights,
-                           soft[idx] if soft is not None else None, cfg.soft_label_weight)
+        if features is None:
+            batch_features, batch_greedy, batch_soft = target_pass(target, tokens[idx], taps, chunk=len(idx),
+                                                                   soft_topk=cfg.soft_label_topk)
+        else:
+            batch_features, batch_greedy = features[idx], greedy[idx]
+            batch_soft = soft[idx] if soft is not None else None
+        res = block_losses(drafter, batch_features.float(), tokens[idx], batch_greedy, anchors, weights,
+                           batch_soft, cfg.soft_label_weight)
         loss = res["main"] + cfg.tail_weight * res["tail"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
