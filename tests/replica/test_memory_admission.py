@@ -102,6 +102,55 @@ def test_the_paged_pool_is_the_target_side_of_admission(build, hybrid_target):
     assert engine.load().free_target_tokens == 112 and pool.num_free_blocks == 7
 
 
+def test_blocks_of_a_request_cancelled_between_steps_are_back_before_the_next_prefill(build, hybrid_target):
+    """Cancel gives a request's reservation back at once and its device state at the next step
+    boundary; with the loop running, that boundary must come before the next step's prefill, or a
+    request admitted into the reservation finds the pool's blocks still held (7 blocks: the
+    cancelled request holds 4, the next one needs 4 for its prompt)."""
+    import threading
+
+    engine = build.engine(hybrid_target, target_kv_tokens=100)
+    pool = engine.runner.target_kv_pool
+    first, second = _prompts([50, 60])
+    one_step, unlimited = threading.Semaphore(1), threading.Event()
+    real_step = engine.step
+
+    def gated_step():  # the loop's first step runs; the next waits here until the test says so
+        if not unlimited.is_set():
+            assert one_step.acquire(timeout=30), "the test never released the loop"
+        return real_step()
+
+    engine.step = gated_step
+    first_chunks, second_chunks, first_token, done = [], [], threading.Event(), threading.Event()
+
+    def first_sink(chunk):
+        first_chunks.append(chunk)
+        first_token.set()
+
+    def second_sink(chunk):
+        second_chunks.append(chunk)
+        if chunk.finished:
+            done.set()
+
+    engine.start()
+    try:
+        cancelled = engine.add_request(first, PARAMS, speculative=True, sink=first_sink)
+        assert first_token.wait(30)  # its prefill ran and holds ceil(50 / 16) = 4 blocks; the loop now waits
+        assert pool.num_free_blocks == 3
+        assert engine.cancel(cancelled)
+        engine.add_request(second, PARAMS, speculative=True, sink=second_sink)  # 60 + 20 + 15 -> 6 blocks
+        unlimited.set()
+        one_step.release()
+        assert done.wait(60)
+    finally:
+        unlimited.set()
+        one_step.release()
+        engine.shutdown(drain=False, timeout=30)
+    assert second_chunks[-1].finish_reason == "length", second_chunks[-1]
+    assert [t for c in second_chunks for t in c.token_ids] == reference_generate(hybrid_target, second, 20)
+    assert engine.stats.num_failed == 0 and pool.num_free_blocks == 7
+
+
 @pytest.mark.parametrize("pool", ["dense", "ring"])
 def test_draft_pool_running_out_never_fails_an_admitted_request(build, hybrid_target, pool):
     # "prompt" reservations: 10 + 16 positions each, so 3 fit in 80 slots, but each decodes 40
