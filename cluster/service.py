@@ -31,7 +31,6 @@ from typing import AsyncIterator
 
 from dspine import faults
 from dspine.protos.dspine.v1 import dspine_pb2 as pb
-from dspine.replica.description import EngineDescription, describe_engine
 from dspine.replica.errors import EngineFullError, EngineStoppedError, InvalidRequestError, RequestFailedError
 from dspine.replica.types import StreamChunk
 
@@ -45,13 +44,7 @@ from .wire_checks import check_wire
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DSpineService", "engine_description"]
-
-
-def engine_description(engine) -> EngineDescription:
-    """``engine.describe()`` when the engine has it, else :func:`describe_engine`."""
-    describe = getattr(engine, "describe", None)
-    return describe() if callable(describe) else describe_engine(engine)
+__all__ = ["DSpineService"]
 
 
 class DSpineService:
@@ -66,7 +59,7 @@ class DSpineService:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics  # a ServingMetrics, or None
-        self.description = engine_description(engine)
+        self.description = engine.describe()
         self.limits = limits or ValidationLimits.from_description(self.description)
         self.tokenizer = self.description.tokenizer
         desc = self.description

@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from dspine.replica.description import EngineDescription, describe_engine
+from dspine.replica.description import EngineDescription
 from dspine.replica.errors import InvalidRequestError, NoDrafterError
 from dspine.replica.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from dspine.replica.request_rules import prompt_length_problem, seed_problem, token_id_problem, token_ids_problem
@@ -111,7 +111,7 @@ class ValidationLimits(BaseModel):
     @classmethod
     def from_engine(cls, engine, **overrides) -> "ValidationLimits":
         """The limits of ``engine`` (through its :class:`EngineDescription`)."""
-        return cls.from_description(describe_engine(engine), **overrides)
+        return cls.from_description(engine.describe(), **overrides)
 
 
 def _limits(info: ValidationInfo) -> ValidationLimits:
