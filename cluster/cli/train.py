@@ -27,6 +27,11 @@ def add_parser(commands) -> None:
     train_draft.add_argument("--stream-features", action="store_true",
                              help="recompute the target's features per training step instead of keeping them for "
                                   "every sequence (memory independent of --num-sequences)")
+    train_draft.add_argument("--recipe", choices=("greedy", "sampled"), default="greedy",
+                             help="greedy: the shipped embedded/draft; sampled: embedded/draft-sampled (continuations "
+                                  "sampled at 0.7, the target's top-16 distribution at 0.7 as labels)")
+    train_draft.add_argument("--init-from", default=None,
+                             help="start from this trained drafter's weights (same geometry)")
     train_target.set_defaults(handler=cmd_train_target)
     train_draft.set_defaults(handler=cmd_train_draft)
 
@@ -40,11 +45,11 @@ def cmd_train_target(args) -> int:
 
 
 def cmd_train_draft(args) -> int:
-    from dspine.training.draft import DraftTrainConfig, train_draft
+    from dspine.training.draft import RECIPES, DraftTrainConfig, train_draft
 
     given = {"steps": args.steps, "seed": args.seed, "max_files": args.max_files,
              "num_sequences": args.num_sequences, "threads": args.threads,
-             "stream_features": args.stream_features or None}
+             "stream_features": args.stream_features or None, "init_from": args.init_from}
     train_draft(DraftTrainConfig(target_dir=args.target, out_dir=args.out,
-                                 **{k: v for k, v in given.items() if v is not None}))
+                                 **{**RECIPES[args.recipe], **{k: v for k, v in given.items() if v is not None}}))
     return 0

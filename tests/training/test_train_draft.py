@@ -230,3 +230,138 @@ def test_a_larger_run_extends_a_smaller_cache_exactly(target_dir, tmp_path):
     assert sum("generated" in line for line in lines) == 1  # one batch of 16, not three
     assert torch.equal(small, scratch[:32]) and torch.equal(extended, scratch)
     assert prompt_len.tolist() == [16] * 16 + [24] * 16 + [16] * 16
+
+
+# ------------------------------------------------------------------ the sampled drafter's recipe
+def test_sampled_continuations_are_seeded_per_batch_and_extend_their_cache(target_dir, tmp_path):
+    """Sampled continuations draw from one seeded generator per generation batch: the same run twice is
+    the same data, a larger run starts from a smaller cache exactly, and the tokens are not the greedy ones."""
+    from dspine.replica.models.loader import load_target
+    from dspine.replica.tokenizer import Tokenizer
+    from dspine.training.draft.data import distillation_data
+
+    target, tokenizer = load_target(target_dir).eval(), Tokenizer.from_dir(target_dir)
+    sampled_cfg = _config(target_dir, tmp_path, continuation_temperature=0.7, soft_label_topk=8)
+
+    def data(cfg, count, cache=None, settings=None, lines=None):
+        return distillation_data(target, tokenizer, "train", count, cfg, 0, cache,
+                                 (lines if lines is not None else []).append, settings)[0]
+
+    scratch = data(sampled_cfg, 48)
+    assert torch.equal(scratch, data(sampled_cfg, 48))
+    greedy = data(_config(target_dir, tmp_path), 48)
+    prompt_len = 16  # the first batch's prompts: identical in both, continuations not
+    assert torch.equal(scratch[:16, :prompt_len], greedy[:16, :prompt_len])
+    assert (scratch[:, prompt_len:] != greedy[:, prompt_len:]).float().mean() > 0.3
+    small = data(sampled_cfg, 32, tmp_path / "c" / "train-a.safetensors", "S")
+    lines = []
+    extended = data(sampled_cfg, 48, tmp_path / "c" / "train-b.safetensors", "S", lines)
+    assert any("first 32 sequences" in line for line in lines)
+    assert torch.equal(small, scratch[:32]) and torch.equal(extended, scratch)
+
+
+def test_soft_labels_at_a_temperature_are_the_target_distribution_at_it():
+    """at_blocks(T) is softmax(logits / T) restricted to the stored top k and renormalised (a sampled request
+    at T accepts against exactly that distribution); the stored log-probabilities are those of T = 1."""
+    from dspine.training.draft.labels import SoftLabels
+
+    g = torch.Generator().manual_seed(1)
+    n, length, k, vocab, T = 2, 30, 6, 40, 0.7
+    logits = 3 * torch.randn(n, length, vocab, generator=g)
+    top = logits.log_softmax(-1).topk(k, dim=-1)
+    soft = SoftLabels(top.indices.int(), top.values.float().bfloat16())
+    anchors = torch.tensor([[2, 11], [0, 17]])
+    ids, probs = soft.at_blocks(anchors, block_size=5, temperature=T)
+    position = anchors[..., None] + torch.arange(4)  # row k reads position a + k - 1
+    expected = (logits / T).softmax(-1)
+    expected = expected.gather(-1, top.indices)  # [n, L, k]
+    expected = expected / expected.sum(-1, keepdim=True)
+    want = expected.gather(1, position.flatten(1)[..., None].expand(-1, -1, k)).view(*position.shape, k)
+    torch.testing.assert_close(probs, want, atol=2e-2, rtol=0)  # bf16 storage
+    assert not torch.allclose(probs, soft.at_blocks(anchors, block_size=5)[1], atol=2e-2)  # T matters
+
+
+def test_expected_sampled_acceptance_is_sum_of_min_p_q_chained_over_rows():
+    """The recipe's sampled-acceptance statistic against a brute-force computation over the whole
+    vocabulary: q is the tail's softmax(tail / T) over the parallel logits' top-K candidates (zero
+    elsewhere), a row accepts with sum_x min(p(x), q(x)), the expected length chains the rows."""
+    from dspine.training.draft.losses import _expected_sampled_accept
+
+    g = torch.Generator().manual_seed(2)
+    shape, vocab, K, T = (2, 3, 4), 12, 5, 0.7
+    logits, tail = torch.randn(*shape, vocab, generator=g), torch.randn(*shape, vocab, generator=g)
+    p = (2 * torch.randn(*shape, vocab, generator=g)).softmax(-1)
+    ids = torch.arange(vocab).expand(*shape, vocab)  # the target's "top k" is the whole vocabulary here
+    got = _expected_sampled_accept(logits, tail, ids, p, T, K)
+    expected_lengths = []
+    for b in range(shape[0]):
+        for a in range(shape[1]):
+            length, alive = 0.0, 1.0
+            for row in range(shape[2]):
+                cand = logits[b, a, row].topk(K).indices
+                q = torch.zeros(vocab)
+                q[cand] = (tail[b, a, row, cand] / T).softmax(-1)
+                alive *= torch.minimum(p[b, a, row], q).sum().item()
+                length += alive
+            expected_lengths.append(length)
+    assert got.item() == pytest.approx(sum(expected_lengths) / len(expected_lengths), rel=1e-5)
+
+
+def test_soft_labels_count_on_rows_past_the_greedy_path():
+    """The soft label is the target's distribution after the true prefix, defined after any prefix: with
+    soft labels only, the loss does not depend on the greedy labels (a sampled continuation leaves the
+    greedy path at once, which masks every later greedy label); the greedy part still masks those rows."""
+    from dspine.replica.models.dspine_checkpoint import init_random_drafter
+    from dspine.replica.models.dspine_config import DraftArgs
+    from dspine.replica.models.target_config import TargetArgs
+    from dspine.training.draft.labels import SoftLabels
+    from dspine.training.draft.losses import block_losses
+
+    torch.manual_seed(0)
+    target_args = TargetArgs.from_name("tiny")
+    drafter = init_random_drafter(target_args, DraftArgs.for_target(target_args, window=64))
+    F_, H, V, BS = len(drafter.args.feature_layers), target_args.hidden_size, target_args.vocab_size, drafter.args.block_size
+    n, length = 2, BS + 24
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, V, (n, length), generator=g)
+    features = torch.randn(n, length, F_, H, generator=g)
+    top = torch.randn(n, length, V, generator=g).log_softmax(-1).topk(8, dim=-1)
+    soft = SoftLabels(top.indices.int(), top.values.bfloat16())
+    anchors = torch.tensor([[3, 8], [5, 1]])
+    weights = row_weights(BS - 1, 7.0)
+    on_path = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # greedy == the next token: every row valid
+    off_path = torch.randint(0, V, (n, length), generator=g)  # rows past the first departure masked
+    with torch.no_grad():
+        soft_only = [block_losses(drafter, features, tokens, greedy, anchors, weights, soft, 1.0, 0.7)
+                     for greedy in (on_path, off_path)]
+        hard_only = [block_losses(drafter, features, tokens, greedy, anchors, weights, soft, 0.0, 0.7)
+                     for greedy in (on_path, off_path)]
+    assert soft_only[0]["main"].item() == pytest.approx(soft_only[1]["main"].item(), rel=1e-6)
+    assert soft_only[0]["tail"].item() == pytest.approx(soft_only[1]["tail"].item(), rel=1e-6)
+    assert hard_only[1]["main"].item() < 0.5 * hard_only[0]["main"].item()  # most greedy rows masked
+    assert 0 <= soft_only[0]["accept_sampled"].item() <= BS - 1  # its value: the brute-force test above
+
+
+def test_sampled_recipe_starts_from_a_trained_drafter(target_dir, tmp_path):
+    """init_from copies every trained weight (the recipe then fine-tunes it); the sampled recipe reports its
+    own acceptance statistic, refuses sampled continuations without soft labels, and the CLI's --recipe
+    sampled is the config's SAMPLED_RECIPE."""
+    from safetensors.torch import load_file
+
+    from dspine.training.draft import SAMPLED_RECIPE
+
+    greedy_dir = tmp_path / "greedy"
+    train_draft(_config(target_dir, greedy_dir, steps=10, eval_sequences=0), log=lambda *_: None)
+    copied = tmp_path / "copied"
+    lines = []
+    summary = train_draft(_config(target_dir, copied, steps=0, eval_sequences=0, init_from=str(greedy_dir),
+                                  stream_features=True), log=lines.append)
+    assert any("initialised from" in line for line in lines)
+    a, b = load_file(greedy_dir / "model.safetensors"), load_file(copied / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sampled = {**SAMPLED_RECIPE, "gen_batch": 16, "soft_label_topk": 8}
+    summary = train_draft(_config(target_dir, tmp_path / "sampled", steps=6, eval_sequences=0,
+                                  init_from=str(greedy_dir), **sampled), log=lambda *_: None)
+    assert 0 < summary["final_train_accept_sampled"] <= 15
+    with pytest.raises(ValueError, match="soft_label_topk"):
+        train_draft(_config(target_dir, tmp_path / "bad", continuation_temperature=0.7), log=lambda *_: None)

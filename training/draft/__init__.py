@@ -72,8 +72,8 @@ replay) and ``loop`` (``train_draft``, the recipe end to end).
 
 from __future__ import annotations
 
-from .config import TINY_DRAFTER, DraftTrainConfig
+from .config import RECIPES, SAMPLED_RECIPE, TINY_DRAFTER, DraftTrainConfig
 from .continuations import sample_continuations
 from .loop import train_draft
 
-__all__ = ["TINY_DRAFTER", "DraftTrainConfig", "sample_continuations", "train_draft"]
+__all__ = ["RECIPES", "SAMPLED_RECIPE", "TINY_DRAFTER", "DraftTrainConfig", "sample_continuations", "train_draft"]

@@ -62,10 +62,27 @@ class DraftTrainConfig:
     # (1 - soft_label_weight) * CE(greedy label) + soft_label_weight * CE(target top-k distribution).
     soft_label_topk: int = 0
     soft_label_weight: float = 0.5
+    # The temperature T of the soft-label loss: both distributions are compared as the engine samples
+    # them at T (softmax(target / T) over the top k vs log_softmax(drafter / T)), so a drafter trained for
+    # temperature-T requests spends its capacity where their acceptance, 1 - TV(p_T, q_T), is decided.
+    soft_label_temperature: float = 1.0
+    # Continuations sampled at this temperature instead of greedy (0): the contexts that sampled requests
+    # put in front of the drafter (a greedy continuation is a context no sampled request ever shows it).
+    continuation_temperature: float = 0.0
+    # Start from a trained drafter's weights (same geometry) instead of a random init.
+    init_from: str | None = None
     threads: int = 0  # 0 -> torch's default
     # Recompute the target's features and labels for each step's batch instead of keeping them for
     # every sequence: memory no longer grows with num_sequences (16,384 x 256 positions x 5 taps x
     # 256 dims held 11 GB in bf16) for one extra target forward per step. The same tensors either way.
     stream_features: bool = False
     log_every: int = 50
+
+
+# The sampled drafter's recipe (embedded/draft-sampled), over the defaults above: continuations sampled at
+# 0.7, labels the target's own top-16 distribution at 0.7 only (no greedy label: a sampled request accepts a
+# row with probability sum min(p, q), which a one-hot label does not teach), fine-tuned from the greedy drafter.
+SAMPLED_RECIPE = dict(continuation_temperature=0.7, soft_label_topk=16, soft_label_weight=1.0,
+                      soft_label_temperature=0.7, lr=1e-3, gen_batch=256)
+RECIPES = {"greedy": {}, "sampled": SAMPLED_RECIPE}
 

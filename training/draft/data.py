@@ -1,4 +1,4 @@
-"""The distillation data: prompts from the train split, the target's greedy continuations, the on-disk cache."""
+"""The distillation data: prompts from the train split, the target's continuations (greedy or sampled), the on-disk cache."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def target_fingerprint(target_dir: Path) -> str:
     (a retrained target never reads another target's continuations)."""
     parts = sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json", target_dir / "tokenizer.json"]
     return hashlib.sha256("".join(_file_digest(p) for p in parts if p.exists()).encode()).hexdigest()[:16]
+
+
+def continuation_seed(seed: int, first_row: int) -> int:
+    """The seed of the generation batch starting at row ``first_row`` (sampled continuations only)."""
+    return seed * 1_000_003 + first_row + 1
 
 
 def sample_prompts(tokenizer: Tokenizer, split: str, count: int, lengths: list[int], seed: int,
@@ -103,7 +108,10 @@ def distillation_data(target, tokenizer: Tokenizer, split: str, count: int, cfg:
     progress = Progress(count - first, f"{split} continuations", unit="sequences")
     for b0 in range(first, count, cfg.gen_batch):
         batch = torch.tensor(prompts[b0 : b0 + cfg.gen_batch], dtype=torch.long)
-        rows.append(sample_continuations(target, batch, cfg.seq_len))
+        # Each batch draws from its own seeded generator, so a cached smaller run stays a prefix of a larger one.
+        generator = (torch.Generator().manual_seed(continuation_seed(seed, b0))
+                     if cfg.continuation_temperature > 0 else None)
+        rows.append(sample_continuations(target, batch, cfg.seq_len, cfg.continuation_temperature, generator))
         done = b0 + batch.shape[0]
         log(f"  generated {done}/{count} {split} continuations ({time.time() - start:.0f} s)")
         progress.update(batch.shape[0])

@@ -39,13 +39,15 @@ class SoftLabels:
     def __getitem__(self, index) -> "SoftLabels":
         return SoftLabels(self.ids[index], self.logp[index])
 
-    def at_blocks(self, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def at_blocks(self, anchors: torch.Tensor, block_size: int,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Row k of the block at anchor a reads position a+k-1: ``(ids [B, A, BS-1, k] int64,
-        probs [B, A, BS-1, k] fp32 renormalised over the k)``. anchors [B, A]."""
+        probs [B, A, BS-1, k] fp32 renormalised over the k)`` at ``temperature`` (exact on the top k:
+        softmax(logits / T) restricted to them is softmax(logp / T) renormalised). anchors [B, A]."""
         idx = anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)  # [B, A, BS-1]
         k = self.ids.shape[-1]
         flat = idx.flatten(1)[..., None].expand(-1, -1, k)
         ids = self.ids.gather(1, flat).view(*idx.shape, k).long()
-        probs = self.logp.gather(1, flat).view(*idx.shape, k).float().softmax(-1)
+        probs = (self.logp.gather(1, flat).view(*idx.shape, k).float() / temperature).softmax(-1)
         return ids, probs
 

@@ -35,6 +35,12 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     if cfg.soft_label_topk < 0 or not 0.0 <= cfg.soft_label_weight <= 1.0:
         raise ValueError(f"soft_label_topk / soft_label_weight: need topk >= 0 and weight in [0, 1], got "
                          f"{cfg.soft_label_topk} / {cfg.soft_label_weight}")
+    if cfg.soft_label_temperature <= 0 or cfg.continuation_temperature < 0:
+        raise ValueError(f"soft_label_temperature / continuation_temperature: need > 0 / >= 0, got "
+                         f"{cfg.soft_label_temperature} / {cfg.continuation_temperature}")
+    if cfg.continuation_temperature > 0 and cfg.soft_label_topk == 0:
+        raise ValueError("continuation_temperature > 0 needs soft labels (soft_label_topk > 0): the greedy label "
+                         "of a sampled continuation is masked after its first departure from the greedy path")
     t0 = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -50,8 +56,11 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
 
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else out / "distill_cache"
     # Every data setting but the count; the cache file's name adds the count.
-    settings = json.dumps([target_fingerprint(target_dir), cfg.seq_len, list(cfg.prompt_lens), cfg.gen_batch,
-                           cfg.seed, cfg.max_files])
+    settings = [target_fingerprint(target_dir), cfg.seq_len, list(cfg.prompt_lens), cfg.gen_batch, cfg.seed,
+                cfg.max_files]
+    if cfg.continuation_temperature > 0:  # greedy runs keep the cache key they always had
+        settings.append(cfg.continuation_temperature)
+    settings = json.dumps(settings)
     tag = hashlib.sha256(json.dumps([settings, cfg.num_sequences]).encode()).hexdigest()[:12]
     tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
                                            cache_dir / f"train-{tag}.safetensors", log, settings)
@@ -71,6 +80,8 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
 
     drafter = DSpineDrafter(args, target.embed_tokens, target.lm_head_weight)
     drafter.init_weights(torch.Generator().manual_seed(cfg.seed))
+    if cfg.init_from:
+        _load_initial_weights(drafter, Path(cfg.init_from), target, log)
     drafter.train()
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"drafter: {n_params:,} parameters ({args.num_layers} layers, H {args.hidden_size}, D {args.code_dim}, "
@@ -96,22 +107,25 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
             batch_features, batch_greedy = features[idx], greedy[idx]
             batch_soft = soft[idx] if soft is not None else None
         res = block_losses(drafter, batch_features.float(), tokens[idx], batch_greedy, anchors, weights,
-                           batch_soft, cfg.soft_label_weight)
+                           batch_soft, cfg.soft_label_weight, cfg.soft_label_temperature)
         loss = res["main"] + cfg.tail_weight * res["tail"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         optimizer.step()
         row = {"step": step, "loss": loss.item(), "main": res["main"].item(), "tail": res["tail"].item(),
-               "accept": res["accept"].item(), "accept_main": res["accept_main"].item()}
+               "accept": res["accept"].item(), "accept_main": res["accept_main"].item(),
+               **({"accept_sampled": res["accept_sampled"].item()} if "accept_sampled" in res else {})}
         first = first or row
         history.append(row)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             recent = history[-cfg.log_every:]
-            mean = {k: sum(r[k] for r in recent) / len(recent) for k in ("loss", "main", "tail", "accept")}
+            mean = {k: sum(r[k] for r in recent) / len(recent) for k in recent[-1] if k != "step"}
             rate = (time.time() - train_start) / (step + 1)
+            sampled = (f"  accept at T={cfg.soft_label_temperature:g} {mean['accept_sampled']:.2f}"
+                       if "accept_sampled" in mean else "")
             log(f"step {step:5d}  loss {mean['loss']:.3f} (main {mean['main']:.3f}, tail {mean['tail']:.3f})  "
-                f"accept {mean['accept']:.2f}  lr {lr:.2e}  {rate:.2f} s/step")
+                f"accept {mean['accept']:.2f}{sampled}  lr {lr:.2e}  {rate:.2f} s/step")
             last = mean
         progress.update(1, loss=round(row["loss"], 3), accept=round(row["accept"], 2))
     progress.close()
@@ -125,6 +139,7 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
         "steps": cfg.steps, "seed": cfg.seed, "parameters": n_params,
         "first_loss": first["loss"] if first else None, "final_loss": last["loss"] if last else None,
         "final_train_accept": last["accept"] if last else None,
+        "final_train_accept_sampled": last.get("accept_sampled") if last else None,
         "num_sequences": int(N), "seq_len": int(L), "data_seconds": gen_seconds,
         "train_seconds": train_seconds, "config": {k: (list(v) if isinstance(v, tuple) else v)
                                                    for k, v in asdict(cfg).items()},
@@ -132,7 +147,9 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     }
     if cfg.eval_sequences:
         ev_len = cfg.eval_prompt_len + cfg.eval_new_tokens + args.block_size
-        ev_cfg = dataclasses.replace(cfg, prompt_lens=(cfg.eval_prompt_len,), seq_len=ev_len)
+        # The replay is greedy speculative decoding, so its held-out continuations are greedy in every recipe.
+        ev_cfg = dataclasses.replace(cfg, prompt_lens=(cfg.eval_prompt_len,), seq_len=ev_len,
+                                     continuation_temperature=0.0)
         ev_tag = f"{tag}-{cfg.eval_sequences}-{cfg.eval_prompt_len}-{ev_len}"
         ev_tokens, _ = distillation_data(target, tokenizer, "heldout", cfg.eval_sequences, ev_cfg, cfg.seed,
                                          cache_dir / f"heldout-{ev_tag}.safetensors", log)
@@ -146,3 +163,19 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"drafter saved to {out} ({summary['total_seconds']:.0f} s)")
     return summary
+
+
+def _load_initial_weights(drafter: DSpineDrafter, draft_dir: Path, target, log) -> None:
+    """Copy a trained drafter's weights (same geometry) into ``drafter`` (fp32, ready to train)."""
+    from dspine.replica.models.dspine_checkpoint import load_drafter
+
+    trained = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight)
+    if trained.args != drafter.args:
+        raise ValueError(f"init_from {draft_dir}: its geometry differs from the recipe's "
+                         f"({trained.args} vs {drafter.args})")
+    with torch.no_grad():
+        own = dict(drafter.named_parameters())
+        for name, param in trained.named_parameters():
+            if param is not own[name]:  # the shared (frozen) embedding and head are the same tensors
+                own[name].copy_(param.float())
+    log(f"drafter initialised from {draft_dir}")

@@ -38,24 +38,34 @@ def soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Ten
 
 def block_losses(drafter: DSpineDrafter, features: torch.Tensor, tokens: torch.Tensor, greedy: torch.Tensor,
                  anchors: torch.Tensor, weights: torch.Tensor, soft: SoftLabels | None = None,
-                 soft_weight: float = 0.5) -> dict:
-    """Main and tail losses of the blocks at ``anchors [B, A]`` plus greedy-acceptance statistics.
+                 soft_weight: float = 0.5, soft_temperature: float = 1.0) -> dict:
+    """Main and tail losses of the blocks at ``anchors [B, A]`` plus acceptance statistics.
+
+    The greedy label counts only while the sequence follows the target's greedy path (``valid``); the
+    soft label (the target's distribution after the true prefix) is defined after any prefix, so it
+    counts on every row, which is what a drafter for sampled continuations trains on.
 
     ``accept``: mean number of leading rows the serving greedy tail would get right (the label is among
     the K candidates of the parallel logits and wins the candidate-restricted tail score given the true
-    predecessor); ``accept_main``: leading rows where the parallel argmax is right."""
+    predecessor); ``accept_main``: leading rows where the parallel argmax is right; with soft labels,
+    ``accept_sampled``: the expected accepted length of a temperature-``soft_temperature`` request,
+    sum over k of prod_{j<=k} sum_x min(p_j(x), q_j(x)), q the tail's distribution over its K candidates."""
     out = drafter.forward_train(features, tokens, anchors)
     labels, preds, valid = block_labels(tokens, greedy, anchors, drafter.args.block_size)  # [B, A, BS-1]
-    w = weights * valid  # rows past the target's greedy path carry no label
     logits = drafter.logits(out.hidden[:, :, 1:])  # [B, A, BS-1, V]
     tail_logits = drafter.logits(tail_hidden(drafter, out, preds))
     V = logits.shape[-1]
     ce_main = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(labels)
     ce_tail = F.cross_entropy(tail_logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(labels)
+    ce_main, ce_tail = ce_main * valid, ce_tail * valid  # rows past the target's greedy path: no greedy label
+    extra = {}
     if soft is not None:  # the target's distribution at the same positions as the greedy labels
-        soft_ids, soft_probs = soft.at_blocks(anchors, drafter.args.block_size)
-        ce_main = (1 - soft_weight) * ce_main + soft_weight * soft_cross_entropy(logits, soft_ids, soft_probs)
-        ce_tail = (1 - soft_weight) * ce_tail + soft_weight * soft_cross_entropy(tail_logits, soft_ids, soft_probs)
+        T = soft_temperature
+        soft_ids, soft_probs = soft.at_blocks(anchors, drafter.args.block_size, T)
+        ce_main = (1 - soft_weight) * ce_main + soft_weight * soft_cross_entropy(logits / T, soft_ids, soft_probs)
+        ce_tail = (1 - soft_weight) * ce_tail + soft_weight * soft_cross_entropy(tail_logits / T, soft_ids, soft_probs)
+        extra["accept_sampled"] = _expected_sampled_accept(logits, tail_logits, soft_ids, soft_probs, T,
+                                                           drafter.args.head_topk)
     with torch.no_grad():
         K = drafter.args.head_topk
         cand = logits.topk(K, dim=-1).indices  # [B, A, BS-1, K]
@@ -64,10 +74,24 @@ def block_losses(drafter: DSpineDrafter, features: torch.Tensor, tokens: torch.T
         hit_tail = in_cand & (tail_pick == labels) & valid
         hit_main = (logits.argmax(-1) == labels) & valid
     return {
-        "main": (ce_main * w).sum(-1).mean(),
-        "tail": (ce_tail * w).sum(-1).mean(),
+        "main": (ce_main * weights).sum(-1).mean(),
+        "tail": (ce_tail * weights).sum(-1).mean(),
         "accept": hit_tail.int().cumprod(-1).sum(-1).float().mean(),
         "accept_main": hit_main.int().cumprod(-1).sum(-1).float().mean(),
         "top1_row1": hit_main[..., 0].float().mean(),
+        **extra,
     }
+
+
+@torch.no_grad()
+def _expected_sampled_accept(logits, tail_logits, soft_ids, soft_probs, temperature: float, num_candidates: int):
+    """logits, tail_logits [B, A, R, V]; soft_ids, soft_probs [B, A, R, k] -> the mean expected accepted
+    length: the tail samples among the parallel logits' top candidates from softmax(tail / T); a row is
+    accepted with probability sum_x min(p(x), q(x)) (bounded below here: x over the target's top k)."""
+    cand = logits.topk(num_candidates, dim=-1).indices  # [B, A, R, K]
+    q_cand = (tail_logits.gather(-1, cand) / temperature).softmax(-1)  # [B, A, R, K]
+    match = soft_ids[..., :, None] == cand[..., None, :]  # [B, A, R, k, K]
+    q_at_p = (match * q_cand[..., None, :]).sum(-1)  # [B, A, R, k]
+    alpha = torch.minimum(soft_probs, q_at_p).sum(-1)  # [B, A, R]
+    return alpha.cumprod(-1).sum(-1).mean()
 
