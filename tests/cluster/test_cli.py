@@ -94,6 +94,13 @@ def test_train_draft_flags_override_only_what_is_given(monkeypatch):
     assert (given.num_sequences, given.threads, given.target_dir, given.out_dir) == (512, 1, "t", "o")
     # Without flags the recipe is DraftTrainConfig's own: the CLI holds no second copy of it.
     assert defaults == draft_training.DraftTrainConfig(target_dir="t", out_dir="o")
+    # --recipe sampled is the config module's SAMPLED_RECIPE, with explicit flags on top of it.
+    assert main(["train", "draft", "--target", "t", "--out", "o", "--recipe", "sampled", "--steps", "7",
+                 "--init-from", "d"]) == 0
+    sampled = seen[-1]
+    assert sampled == draft_training.DraftTrainConfig(target_dir="t", out_dir="o", steps=7, init_from="d",
+                                                      **draft_training.SAMPLED_RECIPE)
+    assert sampled.continuation_temperature > 0 and sampled.soft_label_topk > 0
 
 
 def test_serve_flags_build_the_cluster_config_over_a_config_file(tmp_path):
