@@ -105,7 +105,7 @@ def build_runtime(target, drafter, config: EngineConfig, max_seq_len: int,
     draft_pool, tail_tables = device_thread.call(_build_draft_side, drafter, config, max_seq_len)
     sampled_tail_tables = None
     if sampled_drafter is not None:
-        sampled_tail_tables = device_thread.call(_build_tail_tables, sampled_drafter, config)
+        sampled_tail_tables = device_thread.call(_build_sampled_tail_tables, sampled_drafter, tail_tables, config)
     target_kv_pool = device_thread.call(_build_target_kv_pool, target, config, max_seq_len, block_size)
     runner = ModelRunner(target, drafter, tail_tables, draft_pool, config, device, target_kv_pool=target_kv_pool,
                          sampled_drafter=sampled_drafter, sampled_tail_tables=sampled_tail_tables)
@@ -149,6 +149,22 @@ def _build_tail_tables(drafter, config: EngineConfig):
     from .tail import TailTables
 
     return TailTables.from_drafter(drafter, retrieval=config.retrieval_mode)
+
+
+def _build_sampled_tail_tables(sampled_drafter, greedy_tables, config: EngineConfig):
+    """The sampled drafter's own tail tables; the retrieval scan copy of the LM head (FP8 or bf16,
+    [V, H]) is the greedy tables' when both drafters share the target's head (as loaded drafters do)."""
+    import dataclasses
+
+    from .tail import TailTables
+    from .types import RetrievalMode
+
+    head, shared = sampled_drafter.lm_head_weight, greedy_tables.head
+    if not (head.data_ptr() == shared.data_ptr() and head.shape == shared.shape and head.dtype == shared.dtype):
+        return _build_tail_tables(sampled_drafter, config)
+    own = TailTables.from_drafter(sampled_drafter, retrieval=RetrievalMode.EXACT)  # no second copy made
+    return dataclasses.replace(own, retrieval=greedy_tables.retrieval, head_fp8=greedy_tables.head_fp8,
+                               head_scale=greedy_tables.head_scale, head_bf16=greedy_tables.head_bf16)
 
 
 class EngineLoading:

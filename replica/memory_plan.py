@@ -245,11 +245,11 @@ def plan_memory(target: TargetArgs, drafter: DraftArgs | None, config: PlanConfi
                      RetrievalMode.BF16: drafter.vocab_size * drafter.hidden_size * 2,
                      RetrievalMode.EXACT: 0}[c.retrieval]
         lines.append(PlanLine("retrieval head copy", retrieval, f"{c.retrieval.value} scan of [V, H]"))
-        if c.num_drafters == 2:  # same geometry: the same sizes again; the draft pool is shared
-            second = sum(line.bytes for line in lines[-3:]) + (report.layer_param_bytes + report.bridge_param_bytes
-                                                               - report.codebook_bytes)
-            lines.append(PlanLine("sampled drafter", second, "weights + tail tables + codebook + head copy of the "
-                                                             "second drafter; draft pool shared"))
+        if c.num_drafters == 2:  # same geometry: the same sizes again; the pool and the head copy are shared
+            second = sum(line.bytes for line in lines[-3:-1]) + (report.layer_param_bytes + report.bridge_param_bytes
+                                                                 - report.codebook_bytes)
+            lines.append(PlanLine("sampled drafter", second, "weights + tail tables + codebook of the second "
+                                                             "drafter; draft pool and retrieval head copy shared"))
 
     num_taps = drafter.num_features if drafter is not None else 0
     verify_rows = c.max_concurrency * (c.verify_rows if drafter is not None else 1)

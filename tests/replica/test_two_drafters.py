@@ -189,14 +189,18 @@ def test_a_sampled_drafter_of_another_geometry_is_refused_naming_the_field():
 
 
 def test_from_pretrained_loads_two_drafters_and_checks_geometry_before_loading(tmp_path):
-    config = EngineConfig(device="cpu", dtype="float32", max_concurrency=2)
+    config = EngineConfig(device="cpu", dtype="float32", max_concurrency=2, retrieval="bf16")
     engine = Engine.from_pretrained(embedded.TARGET_DIR, embedded.DRAFT_DIR, config,
                                     sampled_draft_dir=embedded.DRAFT_DIR)
     description = engine.describe()
     assert description.drafters == ("greedy", "sampled")
     assert description.sampled_draft_min_temperature == config.sampled_draft_min_temperature
     assert any(line.name == "sampled drafter" and line.bytes > 0 for line in engine.memory_plan.lines)
-    assert engine.runner.drafters["sampled"].tail_tables is not engine.runner.tail_tables  # its own tables
+    sampled_tables, greedy_tables = engine.runner.drafters["sampled"].tail_tables, engine.runner.tail_tables
+    assert sampled_tables.token_head_write is not greedy_tables.token_head_write  # its own tables
+    assert sampled_tables.retrieval == greedy_tables.retrieval  # ... but one scan copy of the shared head
+    for name in ("head_fp8", "head_bf16"):
+        assert getattr(sampled_tables, name) is getattr(greedy_tables, name)
     result = engine.generate([1, 2, 3], SamplingParams(temperature=0.8, seed=0, max_new_tokens=6), speculative=True)
     assert result.stats.drafter == "sampled"
     one = Engine.from_pretrained(embedded.TARGET_DIR, embedded.DRAFT_DIR, config).describe()
@@ -216,3 +220,19 @@ def test_sampled_drafter_config_is_validated():
     with pytest.raises(ValueError, match="sampled_draft_min_temperature"):
         EngineConfig(sampled_draft_min_temperature=0.0)
 
+
+
+def test_the_memory_plan_counts_the_second_drafter_and_shares_the_pool():
+    from dspine.replica.memory_plan import PlanConfig, plan_memory
+
+    target, drafter = distilled_pair()
+    config = dict(device_memory_bytes=10**12, max_concurrency=4, max_seq_len=256, retrieval="bf16")
+    one = {line.name: line.bytes for line in plan_memory(target.args, drafter.args, PlanConfig(**config)).lines}
+    two = {line.name: line.bytes for line in
+           plan_memory(target.args, drafter.args, PlanConfig(**config, num_drafters=2)).lines}
+    assert set(two) - set(one) == {"sampled drafter"}
+    assert two["sampled drafter"] == sum(one[n] for n in ("drafter weights", "tail tables", "codebook"))
+    # one pool and one retrieval copy of the (shared) LM head for both
+    assert two["draft pool"] == one["draft pool"] and two["retrieval head copy"] == one["retrieval head copy"] > 0
+    with pytest.raises(ValueError, match="num_drafters"):
+        PlanConfig(**config, num_drafters=3)
