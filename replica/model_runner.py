@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from .config import EngineConfig
-from .request import Request
 from .drafters import GREEDY, SAMPLED, LoadedDrafter
+from .request import Request
 from .runner_draft_context import RunnerDraftContext
 from .runner_drafters import RunnerDrafters
 from .runner_prefill import RunnerPrefill

@@ -90,6 +90,20 @@ def test_the_stats_test_fails_when_the_choice_ignores_temperature():
     assert names != ["greedy", "greedy", "sampled", "sampled"]
 
 
+def test_seed_reproducible_requests_give_the_same_tokens_through_the_sampled_drafter():
+    # Gumbel mode: the sampled drafter proposes with the target's noise over its own tables; the tokens
+    # are those of target-only decoding with the same seed
+    target, drafter = distilled_pair()
+    engine = _engine(_random_like(target, drafter), drafter, target)
+    prompts = _prompts(target.args.vocab_size, [3, 12, 7])
+    params = [SamplingParams(temperature=0.7, top_p=0.9, reproducible=True, seed=s, max_new_tokens=24,
+                             ignore_eos=True) for s in range(3)]
+    speculative = engine.generate_many(prompts, params, speculative=True)
+    target_only = engine.generate_many(prompts, params, speculative=False)
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in target_only]
+    assert all(r.stats.drafter == "sampled" and r.stats.spec.mean_accepted_len > 1.0 for r in speculative)
+
+
 # ------------------------------------------------------------------ routing by counts
 def _mean_accepted(engine: Engine, vocab: int) -> dict[str, float]:
     """Eight greedy and eight sampled requests in flight together (every cycle holds both groups):
