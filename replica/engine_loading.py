@@ -4,7 +4,9 @@
 config files alone, loads the models on the engine's device thread and hands them to
 ``Engine.__init__``, which builds its runtime with :func:`build_runtime`: the memory plan
 against the real weights, the draft KV pool and tail tables, the target's K/V pool, the model
-runner and the admission ledger over those pools.
+runner and the admission ledger over those pools. An optional second, sampled drafter
+(replica/drafters.py) must have the greedy one's geometry; it shares the draft KV pool and
+gets tail tables of its own.
 """
 
 from __future__ import annotations
