@@ -104,6 +104,30 @@ def test_seed_reproducible_requests_give_the_same_tokens_through_the_sampled_dra
     assert all(r.stats.drafter == "sampled" and r.stats.spec.mean_accepted_len > 1.0 for r in speculative)
 
 
+def test_a_cycle_of_one_drafter_is_one_draft_call_and_no_merge(monkeypatch):
+    # the one-drafter path: with two loaded but every request of a cycle on one, no split and no copy
+    from dspine.replica import runner_drafters
+
+    target, drafter = distilled_pair()
+    sampled = _random_like(target, drafter)
+    engine = _engine(drafter, sampled, target)
+    calls = collections.Counter()
+    for name, model in (("greedy", drafter), ("sampled", sampled)):
+        monkeypatch.setattr(model, "draft", lambda pool, ids, anchors, _f=model.draft, _n=name, **kw: (
+            calls.update({(_n, len(ids)): 1}), _f(pool, ids, anchors, **kw))[1])
+    monkeypatch.setattr(runner_drafters, "merge_proposals", lambda proposals: calls.update({"merge": 1}) or 1 / 0)
+    cycles = []
+    engine.add_step_observer(lambda record: cycles.append(len(record.accepted_len)) if record.accepted_len else None)
+    engine.generate_many(_prompts(64, [3, 5, 7]), SamplingParams(max_new_tokens=8, ignore_eos=True), speculative=True)
+    # every cycle: one call over its whole batch, with the greedy drafter, and nothing merged
+    assert sorted(calls.elements()) == sorted(("greedy", n) for n in cycles) and 3 in cycles
+    monkeypatch.undo()
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True), SamplingParams(temperature=1.0, seed=0, max_new_tokens=8,
+                                                                                ignore_eos=True)]
+    results = engine.generate_many(_prompts(64, [3, 5]), params, speculative=True)
+    assert [r.stats.drafter for r in results] == ["greedy", "sampled"]
+
+
 # ------------------------------------------------------------------ routing by counts
 def _mean_accepted(engine: Engine, vocab: int) -> dict[str, float]:
     """Eight greedy and eight sampled requests in flight together (every cycle holds both groups):
