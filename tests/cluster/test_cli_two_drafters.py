@@ -87,3 +87,14 @@ def test_the_embedded_sampled_drafter_is_the_default_only_beside_the_embedded_pa
     assert resolve_sampled_draft_dir(None, "my-draft", None) is None  # a drafter of the user's own: no pairing
     assert resolve_sampled_draft_dir("t", "d", None) is None
     assert resolve_sampled_draft_dir("t", "d", "s") == "s"
+
+
+def test_plan_counts_the_sampled_drafter(saved_trio, capsys):
+    base = ["plan", "--target", saved_trio["target"], "--draft", saved_trio["draft"], "--json"]
+    assert main(base) == 0
+    one = {line["name"] for line in json.loads(capsys.readouterr().out)["lines"]}
+    assert main([*base, "--sampled-draft", saved_trio["draft-sampled"]]) == 0
+    two = json.loads(capsys.readouterr().out)["lines"]
+    assert {line["name"] for line in two} - one == {"sampled drafter"}
+    assert main([*base, "--sampled-draft", saved_trio["draft-other"]]) == 2
+    assert "window" in capsys.readouterr().err
