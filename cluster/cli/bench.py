@@ -171,7 +171,8 @@ def _bench_engine(args, target_dir: str, draft_dir: str) -> int:
     from dspine.replica import Engine, SamplingParams
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
-    engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=max(args.concurrency, 1)),
+    engine = Engine.from_pretrained(target_dir, draft_dir,
+                                    engine_config(args, max_concurrency=max(args.concurrency, 1)),
                                     sampled_draft_dir=_sampled_draft_dir(args))
     report = bench_engine(target_dir, draft_dir, sampling_from_args(args), num_prompts=args.num_prompts,
                           prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,

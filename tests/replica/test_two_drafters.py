@@ -122,8 +122,8 @@ def test_a_cycle_of_one_drafter_is_one_draft_call_and_no_merge(monkeypatch):
     # every cycle: one call over its whole batch, with the greedy drafter, and nothing merged
     assert sorted(calls.elements()) == sorted(("greedy", n) for n in cycles) and 3 in cycles
     monkeypatch.undo()
-    params = [SamplingParams(max_new_tokens=8, ignore_eos=True), SamplingParams(temperature=1.0, seed=0, max_new_tokens=8,
-                                                                                ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=0, max_new_tokens=8, ignore_eos=True)]
     results = engine.generate_many(_prompts(64, [3, 5]), params, speculative=True)
     assert [r.stats.drafter for r in results] == ["greedy", "sampled"]
 
