@@ -58,6 +58,15 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_engine_intake.py
     "engine.admission_waits_for_step": "add_request and cancel wait for the step in progress (the step lock "
                                        "around the model run) before they refuse, admit or cancel",
+    # tests/replica/test_two_drafters.py::test_the_stats_test_fails_when_the_choice_ignores_temperature
+    "engine.drafter_choice_ignores_temperature": "with two drafters loaded, every speculative request is given "
+                                                 "the greedy drafter whatever its temperature",
+    # tests/replica/test_two_drafters.py::test_the_routing_test_fails_when_the_groups_swap_drafters
+    "runner.drafter_groups_swapped": "a cycle whose batch holds both drafters' requests drafts and proposes each "
+                                     "group with the other group's drafter and tail tables",
+    # tests/replica/test_two_drafters.py::test_the_mixed_batch_test_fails_when_proposals_merge_out_of_order
+    "runner.proposals_merged_out_of_order": "the drafter groups' proposals are merged with the draft tokens in "
+                                            "batch order but their q and candidates in the other group order",
 }
 
 # Faults of the gRPC edge's responsiveness, each caught by the test named beside it.

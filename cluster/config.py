@@ -39,6 +39,10 @@ class ModelSettings(_Strict):
 
     target_dir: str | None = Field(None, description="HF-format target directory; None: the embedded target")
     draft_dir: str | None = Field(None, description="DSpine draft directory; None with no target_dir: the embedded drafter")
+    sampled_draft_dir: str | None = Field(
+        None, description="a second DSpine draft directory (same config.json as draft_dir) for requests with "
+                          "temperature >= engine.sampled_draft_min_temperature; None: one drafter (with neither "
+                          "target_dir nor draft_dir: the embedded draft-sampled/ when shipped)")
     name: str = Field("", description="reported by GetModelInfo; default: the target directory's name")
 
 
@@ -67,6 +71,9 @@ class EngineSettings(_Strict):
     adaptive_speculation: bool = Field(True, description="choose per request and step how many draft rows to "
                                                          "verify, or to decode target-only, from measured costs; "
                                                          "false: draft every step")
+    sampled_draft_min_temperature: float = Field(0.3, gt=0.0, description="with a sampled drafter loaded "
+                                                 "(model.sampled_draft_dir), requests with temperature >= this "
+                                                 "draft with it, the others with the greedy one")
 
     @field_validator("device_memory")
     @classmethod
@@ -89,7 +96,8 @@ class EngineSettings(_Strict):
                                      target_kv_tokens=self.target_kv_tokens,
                                      admission_reservation=self.admission_reservation,
                                      admission_when_full=self.admission_when_full,
-                                     adaptive_speculation=self.adaptive_speculation)
+                                     adaptive_speculation=self.adaptive_speculation,
+                                     sampled_draft_min_temperature=self.sampled_draft_min_temperature)
         if self.device_memory is not None:
             from dspine.replica.memory_plan import parse_size
 

@@ -66,6 +66,7 @@ def fill_final(msg, stats: RequestStats | None, prompt_tokens: int, completion_t
         return
     spec = msg.speculation
     spec.speculative = stats.speculative
+    spec.drafter = stats.drafter
     if stats.spec is not None:
         spec.cycles = stats.spec.num_cycles
         spec.mean_accepted_len = stats.spec.mean_accepted_len

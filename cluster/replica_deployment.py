@@ -28,7 +28,7 @@ from dspine.protos.dspine.v1 import dspine_pb2 as pb
 
 from . import tracing
 from .config import ClusterConfig
-from .embedded import resolve_model_dirs
+from .embedded import resolve_model_dirs, resolve_sampled_draft_dir
 from .metrics import ServingMetrics, configure_metrics
 from .service import DSpineService
 
@@ -59,8 +59,9 @@ class EngineReplica:
         self.config = ClusterConfig.model_validate(config)
         model = self.config.model
         target_dir, draft_dir = resolve_model_dirs(model.target_dir, model.draft_dir, speculative_needed=False)
+        sampled_draft_dir = resolve_sampled_draft_dir(model.target_dir, model.draft_dir, model.sampled_draft_dir)
         engine_config = self.config.engine.engine_config(self.config.replica_threads)
-        self.engine = Engine.from_pretrained(target_dir, draft_dir, engine_config)
+        self.engine = Engine.from_pretrained(target_dir, draft_dir, engine_config, sampled_draft_dir=sampled_draft_dir)
         replica_id = _replica_id()
         tracing.configure("dspine-replica", replica_id=replica_id)
         metrics = (ServingMetrics(load=self.engine.load)

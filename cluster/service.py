@@ -264,4 +264,6 @@ class DSpineService:
             eos_token_ids=list(desc.eos_token_ids),
             speculative_default=desc.speculative_default,
             default_max_new_tokens=limits.default_max_new_tokens,
+            drafters=list(desc.drafters),
+            sampled_draft_min_temperature=desc.sampled_draft_min_temperature or 0.0,
         )

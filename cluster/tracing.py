@@ -160,7 +160,8 @@ def result_attributes(request_id: str, finish_reason: str, stats) -> dict:
                            "dspine.spec.mean_accepted_len": stats.spec.mean_accepted_len,
                            "dspine.spec.accepted_len_histogram": tuple(stats.spec.accepted_len_histogram),
                            "dspine.spec.draft_tokens": stats.spec.num_draft_tokens,
-                           "dspine.spec.accepted_tokens": stats.spec.num_accepted_tokens})
+                           "dspine.spec.accepted_tokens": stats.spec.num_accepted_tokens,
+                           "dspine.spec.drafter": stats.drafter})
     for stage in (*STAGES, "other"):
         attributes[f"dspine.stage.{stage}_s"] = getattr(stats.stage_times, stage)
     return attributes

@@ -9,8 +9,16 @@ from pathlib import Path
 
 TARGET_DIR = Path(__file__).parent / "target"
 DRAFT_DIR = Path(__file__).parent / "draft"
+# The drafter distilled on sampled continuations (same DraftArgs as DRAFT_DIR, other weights): served
+# to requests with temperature >= EngineConfig.sampled_draft_min_temperature when present.
+SAMPLED_DRAFT_DIR = Path(__file__).parent / "draft-sampled"
 
 
 def available() -> bool:
     """True when the trained pair is present in this installation."""
     return (TARGET_DIR / "config.json").exists() and (DRAFT_DIR / "config.json").exists()
+
+
+def sampled_available() -> bool:
+    """True when the sampled drafter is shipped too (its config.json exists)."""
+    return (SAMPLED_DRAFT_DIR / "config.json").exists()

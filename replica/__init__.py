@@ -17,6 +17,7 @@ _EXPORTS = {
     "Engine": "engine",
     "EngineLoad": "engine",
     "DSpineError": "errors",
+    "DrafterGeometryError": "errors",
     "EngineFullError": "errors",
     "EngineStoppedError": "errors",
     "InvalidRequestError": "errors",
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .engine import Engine, EngineLoad
     from .errors import (
         DSpineError,
+        DrafterGeometryError,
         EngineFullError,
         EngineStoppedError,
         InvalidRequestError,
@@ -75,6 +77,7 @@ __all__ = [
     "RequestStats",
     "SpecDecodingStats",
     "DSpineError",
+    "DrafterGeometryError",
     "EngineFullError",
     "EngineStoppedError",
     "InvalidRequestError",

@@ -66,6 +66,10 @@ class EngineConfig:
     # A request that fits no pool now: "queue" (waits in the engine, first come first served) or
     # "refuse" (PoolExhaustedError -> RESOURCE_EXHAUSTED at once). One that can never fit is refused.
     admission_when_full: str = "queue"
+    # Two drafters (replica/drafters.py): a request with temperature >= this drafts with the
+    # sampled drafter (distilled on sampled continuations) when one is loaded, else with the
+    # greedy one. Chosen once at admission; it changes only what is proposed, never what is emitted.
+    sampled_draft_min_temperature: float = 0.3
 
     def __post_init__(self):
         if self.max_concurrency < 1:
@@ -99,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"target_kv_block_size: must be >= 1, got {self.target_kv_block_size}")
         if self.target_kv_blocks is not None and self.target_kv_blocks < 2:
             raise ValueError(f"target_kv_blocks: must be >= 2 (block 0 is the padding sink), got {self.target_kv_blocks}")
+        if not self.sampled_draft_min_temperature > 0.0:  # temperature 0 is greedy: it keeps the greedy drafter
+            raise ValueError(f"sampled_draft_min_temperature: must be > 0, got {self.sampled_draft_min_temperature}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
 

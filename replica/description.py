@@ -47,6 +47,10 @@ class EngineDescription:
     bos_token: str = ""  # text of the BOS token ("" when none), for chat templates
     eos_token: str = ""  # text of the first EOS token ("" when none)
     chat_template: str | None = None  # the tokenizer's Jinja chat template source, or None
+    # the drafters loaded, () / ("greedy",) / ("greedy", "sampled") (replica/drafters.py), and the
+    # temperature from which a request drafts with the sampled one (None unless two are loaded)
+    drafters: tuple[str, ...] = ()
+    sampled_draft_min_temperature: float | None = None
 
     @property
     def has_tokenizer(self) -> bool:
@@ -65,6 +69,8 @@ def describe_engine(engine) -> EngineDescription:
     args = engine.target.args
     tokenizer = engine.tokenizer
     has_drafter = engine.drafter is not None
+    drafters = () if not has_drafter else (
+        ("greedy", "sampled") if getattr(engine, "sampled_drafter", None) is not None else ("greedy",))
     return EngineDescription(
         model_type=str(getattr(args, "model_type", "") or ""),
         vocab_size=int(args.vocab_size),
@@ -78,4 +84,7 @@ def describe_engine(engine) -> EngineDescription:
         bos_token=(getattr(tokenizer, "bos_token", None) or "") if tokenizer is not None else "",
         eos_token=(getattr(tokenizer, "eos_token", None) or "") if tokenizer is not None else "",
         chat_template=getattr(tokenizer, "chat_template", None) if tokenizer is not None else None,
+        drafters=drafters,
+        sampled_draft_min_temperature=(float(engine.config.sampled_draft_min_temperature)
+                                       if len(drafters) == 2 else None),
     )

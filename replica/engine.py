@@ -38,6 +38,7 @@ from dspine import faults
 from .config import EngineConfig
 from .description import EngineDescription, describe_engine, resolve_eos_token_ids
 from .device_thread import DeviceThread
+from .drafters import choose_drafter
 from .engine_frontends import EngineFrontends
 from .engine_loading import EngineLoading, build_runtime, load_models  # noqa: F401 - load_models re-exported
 from .engine_loop import EngineLoop
@@ -59,16 +60,18 @@ class Engine(EngineLoading, EngineFrontends, EngineLoop, EngineMonitoring):
     """Target-plus-DSpine engine for one device. Thread-safe; at most ``max_concurrency`` requests."""
 
     def __init__(self, target, drafter=None, tokenizer=None, config: EngineConfig = EngineConfig(),
-                 device_thread: DeviceThread | None = None):
+                 device_thread: DeviceThread | None = None, sampled_drafter=None):
         self.config = config
         self._device_thread = device_thread or DeviceThread(num_threads=config.num_threads)
         self.device = config.torch_device
         self.target = target
-        self.drafter = drafter
+        self.drafter = drafter  # the greedy drafter
+        # optional second drafter for requests with temperature >= config.sampled_draft_min_temperature
+        self.sampled_drafter = sampled_drafter
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len or target.args.max_position_embeddings
         self.block_size = drafter.args.block_size if drafter is not None else 0
-        runtime = build_runtime(target, drafter, config, self.max_seq_len, self._device_thread)
+        runtime = build_runtime(target, drafter, config, self.max_seq_len, self._device_thread, sampled_drafter)
         self.memory_plan = runtime.memory_plan
         self.runner = runtime.runner
         self.admission = runtime.admission
@@ -103,7 +106,10 @@ class Engine(EngineLoading, EngineFrontends, EngineLoop, EngineMonitoring):
             checker = StopChecker(params, len(prompt_token_ids), self.max_seq_len, eos, decode)
         except ValueError as e:
             raise InvalidRequestError("stop", str(e)) from e
-        request = Request(request_id, prompt_token_ids, params, speculative, checker, max(self.block_size - 1, 0))
+        drafter = choose_drafter(params.temperature, speculative, self.sampled_drafter is not None,
+                                 self.config.sampled_draft_min_temperature)
+        request = Request(request_id, prompt_token_ids, params, speculative, checker, max(self.block_size - 1, 0),
+                          drafter=drafter)
         with self._waits_for_step_if_faulted(), self._lock:
             if self._stopping:
                 raise EngineStoppedError("engine is shutting down")

@@ -41,6 +41,20 @@ class NoDrafterError(DSpineError, ValueError):
     """Speculation was asked for but no drafter is loaded (-> FAILED_PRECONDITION)."""
 
 
+class DrafterGeometryError(DSpineError, ValueError):
+    """The sampled drafter's geometry differs from the greedy drafter's: the two share one draft KV
+    pool and one verify layout, so every DraftArgs field must match. ``field`` names the first that
+    differs. Raised when the engine is built, never by a request (so no gRPC code maps it)."""
+
+    def __init__(self, field: str, greedy, sampled):
+        super().__init__(f"sampled_draft_dir: the sampled drafter's {field} is {sampled!r}, the greedy drafter's "
+                         f"{greedy!r}; both drafters must have the same DraftArgs (config.json)")
+        self.field, self.greedy, self.sampled = field, greedy, sampled
+
+    def __reduce__(self):
+        return type(self), (self.field, self.greedy, self.sampled)
+
+
 class RequestCancelledError(DSpineError):
     """The request was cancelled before it finished (-> CANCELLED)."""
 

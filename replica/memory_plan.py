@@ -67,6 +67,7 @@ class PlanConfig:
     prefill_chunk_tokens: int = 4096
     attention_scores: bool = False  # the attention materialises its score matrix (CPU SDPA), not flash
     reserved_bytes: int = 0  # CUDA context, allocator slack, anything else kept off the plan
+    num_drafters: int = 1  # 2: a sampled drafter of the same geometry too (its own weights and tail tables)
 
     def __post_init__(self):
         if self.device_memory_bytes <= 0:
@@ -77,6 +78,8 @@ class PlanConfig:
             raise ValueError(f"max_seq_len: must be >= 2, got {self.max_seq_len}")
         if self.draft_pool not in ("dense", "ring"):
             raise ValueError(f"draft_pool: must be 'dense' or 'ring', got {self.draft_pool!r}")
+        if self.num_drafters not in (1, 2):
+            raise ValueError(f"num_drafters: must be 1 or 2, got {self.num_drafters}")
         if self.retrieval not in {m.value for m in RetrievalMode}:
             raise ValueError(f"retrieval: must be 'fp8', 'bf16' or 'exact', got {self.retrieval!r}")
         object.__setattr__(self, "retrieval", RetrievalMode(self.retrieval))
@@ -242,6 +245,11 @@ def plan_memory(target: TargetArgs, drafter: DraftArgs | None, config: PlanConfi
                      RetrievalMode.BF16: drafter.vocab_size * drafter.hidden_size * 2,
                      RetrievalMode.EXACT: 0}[c.retrieval]
         lines.append(PlanLine("retrieval head copy", retrieval, f"{c.retrieval.value} scan of [V, H]"))
+        if c.num_drafters == 2:  # same geometry: the same sizes again; the pool and the head copy are shared
+            second = sum(line.bytes for line in lines[-3:-1]) + (report.layer_param_bytes + report.bridge_param_bytes
+                                                                 - report.codebook_bytes)
+            lines.append(PlanLine("sampled drafter", second, "weights + tail tables + codebook of the second "
+                                                             "drafter; draft pool and retrieval head copy shared"))
 
     num_taps = drafter.num_features if drafter is not None else 0
     verify_rows = c.max_concurrency * (c.verify_rows if drafter is not None else 1)
@@ -309,7 +317,7 @@ __all__ = ["PlanConfig", "PlanLine", "MemoryPlan", "MemoryPlanError", "plan_memo
 
 
 def plan_for_engine(target: TargetArgs, drafter: DraftArgs | None, config, max_seq_len: int,
-                    target_weight_bytes: int | None = None) -> MemoryPlan:
+                    target_weight_bytes: int | None = None, num_drafters: int = 1) -> MemoryPlan:
     """The plan the engine checks at start: ``config`` is its :class:`~dspine.replica.config.EngineConfig`
     (device memory configured, else detected: the GPU's, or the host's for a CPU)."""
     device = config.torch_device
@@ -320,5 +328,6 @@ def plan_for_engine(target: TargetArgs, drafter: DraftArgs | None, config, max_s
         target_kv_tokens=config.target_kv_tokens, dtype_bytes=dtype_bytes(config.torch_dtype),
         draft_dtype_bytes=dtype_bytes(config.torch_draft_dtype), retrieval=config.retrieval_mode,
         verify_rows=drafter.block_size if drafter is not None else 1,
-        prefill_chunk_tokens=config.prefill_chunk_tokens, attention_scores=device.type != "cuda")
+        prefill_chunk_tokens=config.prefill_chunk_tokens, attention_scores=device.type != "cuda",
+        num_drafters=num_drafters if drafter is not None else 1)
     return plan_memory(target, drafter, plan_config, target_weight_bytes)

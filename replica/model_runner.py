@@ -24,8 +24,10 @@ from typing import Callable
 import torch
 
 from .config import EngineConfig
+from .drafters import GREEDY, SAMPLED, LoadedDrafter
 from .request import Request
 from .runner_draft_context import RunnerDraftContext
+from .runner_drafters import RunnerDrafters
 from .runner_prefill import RunnerPrefill
 from .runner_speculative import RunnerSpeculative
 from .runner_target_step import RunnerTargetStep
@@ -35,15 +37,22 @@ from .types import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraftContext):
+class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraftContext, RunnerDrafters):
     """Owns the engine's device state; ``execute`` runs one step. Touched on the device thread only."""
 
     def __init__(self, target, drafter, tail_tables, draft_pool, config: EngineConfig, device: torch.device,
-                 target_kv_pool=None):
+                 target_kv_pool=None, sampled_drafter=None, sampled_tail_tables=None):
         self.target = target
         self.target_kv_pool = target_kv_pool  # PagedKVPool (paged layout) or None (contiguous)
-        self.drafter = drafter
+        self.drafter = drafter  # the greedy drafter (the only one of a one-drafter engine)
         self.tail_tables = tail_tables
+        # name -> LoadedDrafter (replica/drafters.py); both share draft_pool (same geometry)
+        self.drafters: dict[str, LoadedDrafter] = {}
+        if drafter is not None:
+            self.drafters[GREEDY] = LoadedDrafter(GREEDY, drafter, tail_tables)
+            if sampled_drafter is not None:
+                self.drafters[SAMPLED] = LoadedDrafter(SAMPLED, sampled_drafter, sampled_tail_tables)
+        self._request_drafter: dict[str, str] = {}  # request_id -> drafter name (two drafters only read it)
         self.draft_pool = draft_pool
         self.config = config
         self.device = device
@@ -95,6 +104,7 @@ class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraf
                 state.free()
             self.generators.pop(request_id, None)
             self._deferred_context.pop(request_id, None)
+            self._request_drafter.pop(request_id, None)
             self._demoted.discard(request_id)
             if self.draft_pool is not None and self.draft_pool.has_request(request_id):
                 self.draft_pool.free_request(request_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from .drafters import GREEDY
 from .sampling import SamplingParams
 from .stopping import Release, StopChecker
 from .types import RequestStats, RequestStatus, SpecDecodingStats
@@ -16,11 +17,14 @@ from .types import RequestStats, RequestStatus, SpecDecodingStats
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 speculative: bool, stop_checker: StopChecker, num_draft_slots: int):
+                 speculative: bool, stop_checker: StopChecker, num_draft_slots: int, drafter: str | None = None):
         self.request_id = request_id
         self._prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.speculative = speculative
+        # "greedy" / "sampled" (replica/drafters.py; chosen at admission, for its whole life); "" when
+        # it does not speculate
+        self.drafter = (drafter or GREEDY) if speculative else ""
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self._stop = stop_checker
@@ -32,6 +36,7 @@ class Request:
         self.stats = RequestStats(
             num_prompt_tokens=len(prompt_token_ids),
             speculative=speculative,
+            drafter=self.drafter,
             spec=SpecDecodingStats(num_draft_slots) if speculative else None,
             arrival_time=time.perf_counter(),
         )

@@ -69,5 +69,4 @@ class RunnerDraftContext:
         """Append the deferred positions of these requests to their draft contexts (one drafter pass)."""
         pending = [(r, self._deferred_context.pop(r)) for r in request_ids if r in self._deferred_context]
         if pending:
-            self.drafter.append_context(self.draft_pool, [r for r, _ in pending],
-                                        [torch.cat(features) for _, features in pending])
+            self._append_context([r for r, _ in pending], [torch.cat(features) for _, features in pending])

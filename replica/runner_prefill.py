@@ -1,7 +1,8 @@
 """The model runner's prefill: prompt ranges in token-budgeted groups, then the first token.
 
 Mixin of :class:`~dspine.replica.model_runner.ModelRunner` (reads its ``target``, ``states``,
-``draft_pool``, ``drafter``, ``config`` and the step's ``_prefill_chunks``).
+``draft_pool``, ``drafter``, ``config`` and the step's ``_prefill_chunks``; records each request's
+drafter in ``_request_drafter``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class RunnerPrefill:
                     self.states[request_id] = self.target.new_state(
                         device=self.device, dtype=self.target_dtype, kv_pool=self.target_kv_pool, request_id=request_id)
                     self.generators[request_id] = sampling.make_generator(request.params.seed, self.device)
+                    if request.drafter:
+                        self._request_drafter[request_id] = request.drafter
             todo = [r for r in request_ids if self.states[r].num_tokens < chunks[r][1]]
             budget = self.config.prefill_chunk_tokens
             group: list[str] = []
@@ -72,7 +75,7 @@ class RunnerPrefill:
                     continue
                 if faults.active("runner.chunk_features_dropped") and not last[b]:
                     continue
-                self.drafter.append_context(self.draft_pool, [request.request_id], [result.features[b, : lengths[b]]])
+                self._append_context([request.request_id], [result.features[b, : lengths[b]]])
         finishing = [b for b in range(len(batch)) if last[b]]
         if finishing:
             first_tokens = self._sample(result.logits[finishing, 0], [batch[b] for b in finishing], out)

@@ -28,6 +28,8 @@ class RunnerSpeculative:
         if not request_ids:  # a rider retried alone (see _isolated)
             self._target_step(rider_ids, requests, out)
             return
+        # two drafters: each drafter's requests contiguous, so their groups merge by concatenation
+        request_ids, groups = self._grouped_by_drafter(request_ids)
         batch = [requests[r] for r in request_ids]
         riders = [requests[r] for r in rider_ids]
         params = [r.params for r in batch]
@@ -37,10 +39,10 @@ class RunnerSpeculative:
         with self._timed(out, "draft", request_ids):
             self._fault("draft", request_ids)
             self._flush_context(request_ids)
-            draft_out = self.drafter.draft(self.draft_pool, request_ids, anchors)
+            draft_outs = self._draft_groups(groups, request_ids, anchors)
         with self._timed(out, "tail", request_ids):
             self._fault("tail", request_ids)
-            proposal = self.propose(request_ids, requests, draft_out, anchors, params, generators)
+            proposal = self._propose_groups(groups, draft_outs, request_ids, requests, anchors, params, generators)
         with self._timed(out, "verify", request_ids):
             self._fault("verify", request_ids)
             if rider_ids:
@@ -68,9 +70,7 @@ class RunnerSpeculative:
             self._fault("commit", request_ids)
             accepted = verdict.accepted_len.tolist()
             self.target.commit(states, [a + 1 for a in accepted] + [1] * len(riders))
-            self.drafter.append_context(
-                self.draft_pool, request_ids, [result.features[b, : accepted[b] + 1] for b in range(nb)]
-            )
+            self._append_context(request_ids, [result.features[b, : accepted[b] + 1] for b in range(nb)])
             tokens = verdict.output_ids.tolist()
             self._defer_context(request_ids + rider_ids, [nb + i for i, r in enumerate(riders) if self._drafts(r)],
                                 result.features)
@@ -90,15 +90,17 @@ class RunnerSpeculative:
             out.new_token_ids[request.request_id] = [token]
 
 
-    def propose(self, request_ids, requests, draft_out, anchors, params, generators):
-        """The tail's proposal for the batch; tests replace this to force acceptance patterns."""
+    def propose(self, request_ids, requests, draft_out, anchors, params, generators, tail_tables=None):
+        """The tail's proposal for the batch (``tail_tables``: the drafter's that drafted it; None: the
+        greedy drafter's); tests replace this to force acceptance patterns."""
         from . import tail
 
+        tables = self.tail_tables if tail_tables is None else tail_tables
         if any(p.is_gumbel for p in params):  # seed-reproducible requests propose with the target's noise
-            return decoding.propose(draft_out, self.tail_tables, anchors, [requests[r] for r in request_ids],
+            return decoding.propose(draft_out, tables, anchors, [requests[r] for r in request_ids],
                                     generators, with_confidence=self.config.verify_threshold > 0)
         temperature, top_k, top_p = sampling.batch_params(params, device=self.device)
-        return tail.propose(draft_out, self.tail_tables, anchors, temperature, top_k, top_p, generators,
+        return tail.propose(draft_out, tables, anchors, temperature, top_k, top_p, generators,
                             with_confidence=self.config.verify_threshold > 0)
 
     def _verify_lengths(self, proposal, request_ids: list[str]) -> torch.Tensor:

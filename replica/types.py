@@ -169,6 +169,7 @@ class RequestStats:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     speculative: bool = False
+    drafter: str = ""  # "greedy" / "sampled": the drafter that proposed its tokens; "" when not speculative
     spec: SpecDecodingStats | None = None
     # The wall time of each stage this request took part in (its own intervals, see step_stats).
     stage_times: StageTimes = field(default_factory=StageTimes)

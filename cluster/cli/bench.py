@@ -113,6 +113,13 @@ def cmd_bench_engine(args) -> int:
     return _bench_engine(args, target_dir, draft_dir)
 
 
+def _sampled_draft_dir(args) -> str | None:
+    """--sampled-draft, or the embedded sampled drafter beside the embedded pair (when shipped)."""
+    from ..embedded import resolve_sampled_draft_dir
+
+    return resolve_sampled_draft_dir(args.target, args.draft, args.sampled_draft)
+
+
 def _bench_kv_layouts(args, target_dir: str, draft_dir: str) -> int:
     from dspine.benchmarks.kv_layouts import bench_kv_layouts, format_kv_layouts
 
@@ -129,7 +136,8 @@ def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
     from dspine.replica import Engine
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
-    engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=8))
+    engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=8),
+                                    sampled_draft_dir=_sampled_draft_dir(args))
     seed = 0 if args.seed is None else args.seed
     rows = bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
                        repeats=args.repeats, seed=seed)
@@ -163,7 +171,9 @@ def _bench_engine(args, target_dir: str, draft_dir: str) -> int:
     from dspine.replica import Engine, SamplingParams
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
-    engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=max(args.concurrency, 1)))
+    engine = Engine.from_pretrained(target_dir, draft_dir,
+                                    engine_config(args, max_concurrency=max(args.concurrency, 1)),
+                                    sampled_draft_dir=_sampled_draft_dir(args))
     report = bench_engine(target_dir, draft_dir, sampling_from_args(args), num_prompts=args.num_prompts,
                           prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
                           engine=engine, trace_out=args.trace_out)

@@ -34,11 +34,13 @@ def cmd_generate(args) -> int:
 
 
 def _result_dict(text: str, token_ids, finish_reason: str, speculative: bool, cycles: int,
-                 mean_accepted_len: float, decode_tokens_per_s: float, logprobs, with_logprobs: bool) -> dict:
+                 mean_accepted_len: float, decode_tokens_per_s: float, logprobs, with_logprobs: bool,
+                 drafter: str = "") -> dict:
     """What ``dspine generate`` prints (``--json``: as is), from either way of generating;
-    ``logprobs`` entries have ``token_id``, ``logprob`` and ``top`` ((token_id, logprob) pairs)."""
+    ``logprobs`` entries have ``token_id``, ``logprob`` and ``top`` ((token_id, logprob) pairs);
+    ``drafter``: "greedy" / "sampled" ("" when not speculative)."""
     result = {"text": text, "token_ids": token_ids, "finish_reason": finish_reason, "speculative": speculative,
-              "cycles": cycles, "mean_accepted_len": round(mean_accepted_len, 3),
+              "drafter": drafter, "cycles": cycles, "mean_accepted_len": round(mean_accepted_len, 3),
               "decode_tokens_per_s": round(decode_tokens_per_s, 1)}
     if with_logprobs:
         result["logprobs"] = [{"token_id": e.token_id, "logprob": round(e.logprob, 6),
@@ -57,7 +59,7 @@ def _generate_locally(args) -> dict:
     stats = result.stats
     return _result_dict(result.text, result.token_ids, result.finish_reason, stats.speculative,
                         stats.spec.num_cycles if stats.spec else 0, stats.spec.mean_accepted_len if stats.spec else 0.0,
-                        stats.decode_tokens_per_second, result.logprobs, args.logprobs is not None)
+                        stats.decode_tokens_per_second, result.logprobs, args.logprobs is not None, stats.drafter)
 
 
 def _generate_on_server(args) -> dict:
@@ -88,7 +90,7 @@ def _generate_on_server(args) -> dict:
     spec = result.speculation  # the figures a local run prints, from the server's final message
     return _result_dict(result.text, result.token_ids, result.finish_reason, spec.speculative, spec.cycles,
                         spec.mean_accepted_len, result.decode_tokens_per_second, result.logprobs,
-                        args.logprobs is not None)
+                        args.logprobs is not None, spec.drafter)
 
 
 def _print_result(args, result: dict) -> None:

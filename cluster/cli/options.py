@@ -10,6 +10,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--target/--draft and the engine knobs of a command that loads the model."""
     parser.add_argument("--target", help="HF-format target directory (default: the embedded tiny target)")
     parser.add_argument("--draft", help="DSpine draft directory (default: the embedded drafter when --target is not given)")
+    parser.add_argument("--sampled-draft", metavar="DIR",
+                        help="a second DSpine draft directory (same config.json as --draft) for sampled requests "
+                             "(default: the embedded draft-sampled/ when shipped and neither --target nor --draft "
+                             "is given)")
+    parser.add_argument("--sampled-draft-min-temperature", type=float, default=None, metavar="T",
+                        help="requests with temperature >= T draft with the sampled drafter (default: the "
+                             "engine's, 0.3)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
     parser.add_argument("--verify-threshold", type=float, default=None,
@@ -64,10 +71,17 @@ def engine_from_args(args, speculative_needed: bool = True):
     """The engine of --target/--draft (or the embedded pair) with the flags' config."""
     from dspine.replica import Engine
 
-    from ..embedded import resolve_model_dirs
+    target_dir, draft_dir, sampled_draft_dir = model_dirs_from_args(args, speculative_needed)
+    return Engine.from_pretrained(target_dir, draft_dir, engine_config(args), sampled_draft_dir=sampled_draft_dir)
+
+
+def model_dirs_from_args(args, speculative_needed: bool) -> tuple[str, str | None, str | None]:
+    """``(target_dir, draft_dir, sampled_draft_dir)`` of --target/--draft/--sampled-draft (or the embedded ones)."""
+    from ..embedded import resolve_model_dirs, resolve_sampled_draft_dir
 
     target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed)
-    return Engine.from_pretrained(target_dir, draft_dir, engine_config(args))
+    sampled = resolve_sampled_draft_dir(args.target, args.draft, getattr(args, "sampled_draft", None))
+    return target_dir, draft_dir, sampled
 
 
 def engine_config(args, **extra):
@@ -79,6 +93,8 @@ def engine_config(args, **extra):
         knobs["adaptive_speculation"] = False
     if args.verify_threshold is not None:
         knobs["verify_threshold"] = args.verify_threshold
+    if getattr(args, "sampled_draft_min_temperature", None) is not None:
+        knobs["sampled_draft_min_temperature"] = args.sampled_draft_min_temperature
     return EngineConfig(**knobs)
 
 

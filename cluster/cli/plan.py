@@ -17,6 +17,8 @@ def add_parser(commands) -> None:
     plan.add_argument("--draft-preset", default="dspine-27b-b16", help="drafter preset")
     plan.add_argument("--draft", help="DSpine draft directory (its config.json; overrides --draft-preset)")
     plan.add_argument("--no-draft", action="store_true", help="target only")
+    plan.add_argument("--sampled-draft", metavar="DIR", help="a second drafter for sampled requests (its config.json "
+                                                             "must equal the drafter's): its weights are planned too")
     plan.add_argument("--device-memory", default="141GB", help="device memory: 141GB, 139GiB or bytes")
     plan.add_argument("--max-concurrency", type=int, default=8)
     plan.add_argument("--max-seq-len", type=int, default=8192, help="context (prompt + output) per request")
@@ -58,13 +60,20 @@ def cmd_plan(args) -> int:
         drafter = DraftArgs.from_config(json.loads((Path(args.draft) / "config.json").read_text()))
     elif not args.no_draft:
         drafter = DraftArgs.from_name(args.draft_preset)
+    if args.sampled_draft:
+        from dspine.replica.drafters import check_same_geometry
+
+        if drafter is None:
+            raise ValueError("--sampled-draft: needs a drafter (drop --no-draft)")
+        check_same_geometry(drafter, DraftArgs.from_config(
+            json.loads((Path(args.sampled_draft) / "config.json").read_text())))
     config = PlanConfig(device_memory_bytes=parse_size(args.device_memory), max_concurrency=args.max_concurrency,
                         max_seq_len=args.max_seq_len, draft_pool=args.draft_pool,
                         draft_pool_tokens=args.draft_pool_tokens, dtype_bytes=args.dtype_bytes,
                         draft_dtype_bytes=args.dtype_bytes, retrieval=args.retrieval,
                         verify_rows=drafter.block_size if drafter is not None else 1,
                         verify_keeps=args.verify_keeps, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                        reserved_bytes=parse_size(args.reserved))
+                        reserved_bytes=parse_size(args.reserved), num_drafters=2 if args.sampled_draft else 1)
     plan = plan_memory(target, drafter, config)
     if args.json:
         print(json.dumps({"fits": plan.fits, "total_bytes": plan.total_bytes, "left_bytes": plan.left_bytes,

@@ -65,10 +65,14 @@ def cluster_config_from_args(args):
     if args.request_timeout is not None:
         data["request_timeout_s"] = args.request_timeout
     if args.target is not None:
-        data["model"].update(target_dir=args.target, draft_dir=args.draft)
+        data["model"].update(target_dir=args.target, draft_dir=args.draft, sampled_draft_dir=args.sampled_draft)
     elif args.draft is not None:
-        data["model"]["draft_dir"] = args.draft
+        data["model"].update(draft_dir=args.draft, sampled_draft_dir=args.sampled_draft)
+    elif args.sampled_draft is not None:
+        data["model"]["sampled_draft_dir"] = args.sampled_draft
     engine = data["engine"]
+    if args.sampled_draft_min_temperature is not None:
+        engine["sampled_draft_min_temperature"] = args.sampled_draft_min_temperature
     if args.max_concurrency is not None:
         engine["max_concurrency"] = args.max_concurrency
     if args.max_seq_len is not None:
@@ -154,14 +158,15 @@ def cmd_serve(args) -> int:
 
     from dspine.replica import Engine
 
-    from ..embedded import resolve_model_dirs
     from ..server import ServerConfig, serve_forever
+    from .options import model_dirs_from_args
 
-    target_dir, draft_dir = resolve_model_dirs(args.target, args.draft, speculative_needed=False)
+    target_dir, draft_dir, sampled_draft_dir = model_dirs_from_args(args, speculative_needed=False)
     config = ServerConfig(host=args.host, port=50051 if args.port is None else args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           auth_token=args.auth_token, model_name=Path(target_dir).name)
     engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(
-        args, max_concurrency=args.max_concurrency or 8, max_seq_len=args.max_seq_len))
+        args, max_concurrency=args.max_concurrency or 8, max_seq_len=args.max_seq_len),
+        sampled_draft_dir=sampled_draft_dir)
     asyncio.run(serve_forever(engine, config))
     return 0
 

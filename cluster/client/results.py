@@ -23,6 +23,7 @@ class SpeculationStats:
     accepted_len_histogram: tuple[int, ...] = ()
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    drafter: str = ""  # "greedy" / "sampled": the drafter that proposed (server with two); "" not speculative
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     speculative_default: bool
     default_max_new_tokens: int
+    drafters: tuple[str, ...] = ()  # (), ("greedy",) or ("greedy", "sampled")
+    sampled_draft_min_temperature: float = 0.0  # from it a request drafts with "sampled" (0: one drafter)
 
 
 def usage_of(m: pb.Usage) -> Usage:
@@ -111,7 +114,7 @@ def usage_of(m: pb.Usage) -> Usage:
 
 def speculation_of(m: pb.SpeculationStats) -> SpeculationStats:
     return SpeculationStats(m.speculative, m.cycles, m.mean_accepted_len, tuple(m.accepted_len_histogram),
-                            m.draft_tokens, m.accepted_tokens)
+                            m.draft_tokens, m.accepted_tokens, m.drafter)
 
 
 def timings_of(m: pb.StageTimings) -> StageTimings:
@@ -143,4 +146,5 @@ def chunk_of(m: pb.GenerateStreamResponse) -> GenerateChunk:
 def model_info_of(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.target_name, m.target_type, m.vocab_size, m.has_drafter, m.block_size, m.max_concurrency,
                      m.max_context, m.has_tokenizer, m.has_chat_template, tuple(m.eos_token_ids),
-                     m.speculative_default, m.default_max_new_tokens)
+                     m.speculative_default, m.default_max_new_tokens, tuple(m.drafters),
+                     m.sampled_draft_min_temperature)

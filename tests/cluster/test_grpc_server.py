@@ -86,6 +86,28 @@ def test_chat_tokenize_detokenize_info_health(serve, tokenizer):
         assert client.health("dspine.v1.DSpine") == "SERVING"
 
 
+def test_generate_names_the_drafter_of_a_two_drafter_engine(serve):
+    from dspine.replica import Engine, EngineConfig
+    from dspine.replica.models.dspine_checkpoint import init_random_drafter
+
+    one = make_engine()
+    sampled = init_random_drafter(one.target, one.drafter.args, seed=1).eval()
+    engine = Engine(one.target, one.drafter, None, EngineConfig(device="cpu", dtype="float32", max_seq_len=96,
+                                                                adaptive_speculation=False),
+                    sampled_drafter=sampled)
+    server = serve(engine)
+    with DSpineClient(server.address, timeout=60) as client:
+        info = client.info()
+        assert info.drafters == ("greedy", "sampled") and info.sampled_draft_min_temperature == 0.3
+        assert client.generate(token_ids=PROMPT, max_new_tokens=6).speculation.drafter == "greedy"
+        hot = client.generate(token_ids=PROMPT, max_new_tokens=6, temperature=0.8, seed=1)
+        assert hot.speculation.drafter == "sampled" and hot.speculation.cycles > 0
+        chunks = list(client.generate_stream(token_ids=PROMPT, max_new_tokens=6, temperature=0.8, seed=1))
+        assert chunks[-1].speculation.drafter == "sampled"
+        assert client.generate(token_ids=PROMPT, max_new_tokens=6, speculative=False).speculation.drafter == ""
+    wait_until(lambda: idle(engine), what="no live state")
+
+
 def test_reflection_lists_the_service(serve):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -57,6 +57,7 @@ def check_request_trace(spans, rpc: str, root_span_id: str, output_tokens: int) 
     assert engine.attributes["gen_ai.usage.output_tokens"] == output_tokens
     assert engine.attributes["gen_ai.response.finish_reasons"] == ("length",)
     assert "gen_ai.request.model" in engine.attributes and "dspine.spec.cycles" in engine.attributes
+    assert engine.attributes["dspine.spec.drafter"] == "greedy"
     return {"engine": engine, "server": server_side, "client": client[0]}
 
 

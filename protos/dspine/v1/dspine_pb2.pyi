@@ -122,20 +122,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("speculative", "cycles", "mean_accepted_len", "accepted_len_histogram", "draft_tokens", "accepted_tokens")
+    __slots__ = ("speculative", "cycles", "mean_accepted_len", "accepted_len_histogram", "draft_tokens", "accepted_tokens", "drafter")
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LEN_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     speculative: bool
     cycles: int
     mean_accepted_len: float
     accepted_len_histogram: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, speculative: _Optional[bool] = ..., cycles: _Optional[int] = ..., mean_accepted_len: _Optional[float] = ..., accepted_len_histogram: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    drafter: str
+    def __init__(self, speculative: _Optional[bool] = ..., cycles: _Optional[int] = ..., mean_accepted_len: _Optional[float] = ..., accepted_len_histogram: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("prefill", "draft", "tail", "verify", "commit", "target_step", "time_to_first_token", "other", "queue")
@@ -234,7 +236,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_name", "target_type", "vocab_size", "has_drafter", "block_size", "max_concurrency", "max_context", "has_tokenizer", "has_chat_template", "eos_token_ids", "speculative_default", "default_max_new_tokens")
+    __slots__ = ("target_name", "target_type", "vocab_size", "has_drafter", "block_size", "max_concurrency", "max_context", "has_tokenizer", "has_chat_template", "eos_token_ids", "speculative_default", "default_max_new_tokens", "drafters", "sampled_draft_min_temperature")
     TARGET_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +249,8 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_DRAFT_MIN_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     target_name: str
     target_type: str
     vocab_size: int
@@ -259,4 +263,6 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculative_default: bool
     default_max_new_tokens: int
-    def __init__(self, target_name: _Optional[str] = ..., target_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., has_drafter: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., max_context: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative_default: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    sampled_draft_min_temperature: float
+    def __init__(self, target_name: _Optional[str] = ..., target_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., has_drafter: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., max_context: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative_default: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., sampled_draft_min_temperature: _Optional[float] = ...) -> None: ...
