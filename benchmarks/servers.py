@@ -10,10 +10,11 @@ import sys
 class StandaloneServer:
     """``dspine serve --standalone`` in a subprocess (its own process, as users run it)."""
 
-    def __init__(self, threads: int, max_concurrency: int, target_dir=None, draft_dir=None):
+    def __init__(self, threads: int, max_concurrency: int, target_dir=None, draft_dir=None, sampled_draft_dir=None):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         models = [*(["--target", str(target_dir)] if target_dir else []),
-                  *(["--draft", str(draft_dir)] if draft_dir else [])]
+                  *(["--draft", str(draft_dir)] if draft_dir else []),
+                  *(["--sampled-draft", str(sampled_draft_dir)] if sampled_draft_dir else [])]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dspine.cluster.cli", "serve", "--standalone", "--port", "0", "--device", "cpu",
              "--dtype", "float32", "--max-concurrency", str(max_concurrency), *models],

@@ -11,14 +11,14 @@ from .sweep import SWEEP_REGIMES
 
 
 def bench_sweep_server(prompts: list[list[int]], repeats: int = 3, seed: int = 0, regimes=None, threads: int = 2,
-                       target_dir=None, draft_dir=None) -> list[dict]:
+                       target_dir=None, draft_dir=None, sampled_draft_dir=None) -> list[dict]:
     """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
     through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
     the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
     median of the paired ratios. Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
     counters live in the server, so acceptance and drafting share are not reported)."""
     regimes = SWEEP_REGIMES if regimes is None else regimes
-    server = StandaloneServer(threads, 8, target_dir, draft_dir)
+    server = StandaloneServer(threads, 8, target_dir, draft_dir, sampled_draft_dir)
     rows = []
     try:
         asyncio.run(run_load(server.address, "warm", prompts[:1], 1,

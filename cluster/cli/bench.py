@@ -146,7 +146,8 @@ def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
         from dspine.benchmarks.sweep_server import bench_sweep_server
 
         served = bench_sweep_server(heldout_prompts(engine, args.num_prompts, args.prompt_len),
-                                    repeats=args.repeats, seed=seed, target_dir=target_dir, draft_dir=draft_dir)
+                                    repeats=args.repeats, seed=seed, target_dir=target_dir, draft_dir=draft_dir,
+                                    sampled_draft_dir=_sampled_draft_dir(args))
     if args.json:
         print(json.dumps(rows if served is None else {"inline": rows, "server": served}, indent=2))
     else:

@@ -63,6 +63,20 @@ prompts, 128 new tokens) and reports the mean accepted length per cycle;
 on the first embedded drafter it reproduced the engine's 3.20 over 254
 cycles exactly.
 
+The sampled drafter (``--recipe sampled``, ``SAMPLED_RECIPE``; shipped as
+``embedded/draft-sampled``, chosen by the engine for requests at temperature
+>= 0.3) changes three things. The continuations are SAMPLED at 0.7 (one seeded
+generator per generation batch, so a cache still extends exactly): a greedy
+continuation is a context no sampled request ever shows the drafter. The
+label of row k is the target's own top-16 distribution after the true prefix,
+compared at the request's temperature (softmax(target / 0.7) against
+log_softmax(drafter / 0.7)), on every row: a sampled request accepts row k
+with probability sum_x min(p(x), q(x)), which a one-hot label does not teach,
+and the greedy label's path mask would hide every row after the first
+departure. It starts from the greedy drafter's weights (``init_from``). Its
+log adds the expected sampled accepted length (``accept_sampled``, with true
+predecessors).
+
 One job per module: ``config`` (settings), ``continuations`` (the target's
 decoding), ``data`` (prompts, generation, the cache), ``target_pass``
 (features and greedy labels), ``labels``, ``anchors``, ``losses``,
