@@ -50,17 +50,18 @@ def engine():
 def test_quick_start_generate_locally():
     proc = dspine("generate", "--prompt", PROMPT, "--max-new-tokens", "8")
     assert proc.stdout.startswith(PROMPT) and len(proc.stdout.strip()) > len(PROMPT)
-    reason, spec, cycles, accepted, rate = _figure(
-        rf"\[(\w+); speculative=(\w+), cycles=(\d+), mean_accepted_len={FLOAT}, decode_tokens_per_s={FLOAT}\]",
-        proc.stderr)
-    assert (reason, spec) == ("length", "True") and int(cycles) >= 1 and float(rate) > 0
+    reason, spec, drafter, cycles, accepted, rate = _figure(
+        rf"\[(\w+); speculative=(\w+), drafter=(\w*), cycles=(\d+), mean_accepted_len={FLOAT}, "
+        rf"decode_tokens_per_s={FLOAT}\]", proc.stderr)
+    assert (reason, spec, drafter) == ("length", "True", "greedy") and int(cycles) >= 1 and float(rate) > 0
     assert 0 <= float(accepted) <= 15
 
 
 def test_generate_json_is_the_engine_greedy_output(engine):
     printed = json.loads(dspine("generate", "--prompt", PROMPT, "--max-new-tokens", "8", "--json").stdout)
-    assert set(printed) == {"text", "token_ids", "finish_reason", "speculative", "cycles", "mean_accepted_len",
-                            "decode_tokens_per_s"}
+    assert set(printed) == {"text", "token_ids", "finish_reason", "speculative", "drafter", "cycles",
+                            "mean_accepted_len", "decode_tokens_per_s"}
+    assert printed["drafter"] == "greedy"  # temperature 0: the greedy drafter, also with the sampled one shipped
     assert printed["speculative"] is True and printed["finish_reason"] == "length" and printed["cycles"] >= 1
     prompt_ids = engine.encode(PROMPT)
     # lossless: the speculative CLI output is the target's own greedy continuation

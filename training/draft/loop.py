@@ -65,16 +65,17 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
     tokens, prompt_len = distillation_data(target, tokenizer, "train", cfg.num_sequences, cfg, cfg.seed,
                                            cache_dir / f"train-{tag}.safetensors", log, settings)
     gen_seconds = time.time() - t0
+    made = "target-greedy" if cfg.continuation_temperature == 0 else f"target-sampled (T={cfg.continuation_temperature:g})"
     if cfg.stream_features:
         features = greedy = soft = None  # each step's batch gets its own target pass
         log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
-            f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens); features streamed per step; "
+            f"({int((tokens.shape[1] - prompt_len).sum()):,} {made} tokens); features streamed per step; "
             f"data ready after {time.time() - t0:.0f} s")
     else:
         features, greedy, soft = target_pass(target, tokens, taps, soft_topk=cfg.soft_label_topk)
         on_path = (tokens[:, 1:] == greedy[:, :-1]).float().mean()
         log(f"distillation data: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens "
-            f"({int((tokens.shape[1] - prompt_len).sum()):,} target-greedy tokens; {100 * on_path:.1f}% of all next "
+            f"({int((tokens.shape[1] - prompt_len).sum()):,} {made} tokens; {100 * on_path:.1f}% of all next "
             f"tokens equal the target's argmax), features {tuple(features.shape)} bf16; "
             f"data ready after {time.time() - t0:.0f} s")
 
