@@ -34,6 +34,15 @@ class LoadedDrafter:
     tail_tables: object  # its TailTables (built from its own bridge and codebook)
 
 
+def check_drafter_pair(greedy_args, sampled_args) -> None:
+    """A sampled drafter (``sampled_args`` not None) needs a greedy one of the same geometry."""
+    if sampled_args is None:
+        return
+    if greedy_args is None:
+        raise ValueError("sampled_draft_dir: a sampled drafter needs the greedy drafter (draft_dir) too")
+    check_same_geometry(greedy_args, sampled_args)
+
+
 def check_same_geometry(greedy_args, sampled_args) -> None:
     """Raise :class:`DrafterGeometryError` naming the first DraftArgs field that differs."""
     for f in dataclasses.fields(greedy_args):

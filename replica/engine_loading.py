@@ -19,7 +19,7 @@ from pathlib import Path
 from .admission import DraftPoolCapacity, MemoryAdmission, PagedKvCapacity, TargetTokenCapacity
 from .config import EngineConfig
 from .device_thread import DeviceThread
-from .drafters import check_same_geometry, describe_drafters
+from .drafters import check_drafter_pair, describe_drafters
 from .memory_plan import MemoryPlan, MemoryPlanError, draft_pool_slots, plan_for_engine
 from .model_runner import ModelRunner
 
@@ -40,18 +40,12 @@ def check_memory_plan(target_args, draft_args, config: EngineConfig, max_seq_len
 def precheck_memory_plan(target_dir, draft_dir, config: EngineConfig, sampled_draft_dir=None) -> None:
     """The plan from the config files alone, so that a misfit (or two drafters of different
     geometry) fails before gigabytes are loaded."""
-    from .models.dspine_config import DraftArgs
+    from .models.dspine_checkpoint import load_draft_args
     from .models.target_config import TargetArgs
 
     target_args = TargetArgs.from_hf_config(json.loads((Path(target_dir) / "config.json").read_text()))
-    draft_args = None
-    if draft_dir is not None:
-        draft_args = DraftArgs.from_config(json.loads((Path(draft_dir) / "config.json").read_text()))
-    if sampled_draft_dir is not None:
-        if draft_args is None:
-            raise ValueError("sampled_draft_dir: a sampled drafter needs the greedy drafter (draft_dir) too")
-        sampled_args = DraftArgs.from_config(json.loads((Path(sampled_draft_dir) / "config.json").read_text()))
-        check_same_geometry(draft_args, sampled_args)
+    draft_args = load_draft_args(draft_dir) if draft_dir is not None else None
+    check_drafter_pair(draft_args, load_draft_args(sampled_draft_dir) if sampled_draft_dir is not None else None)
     check_memory_plan(target_args, draft_args, config, config.max_seq_len or target_args.max_position_embeddings,
                       num_drafters=2 if sampled_draft_dir is not None else 1)
 
@@ -96,10 +90,8 @@ def build_runtime(target, drafter, config: EngineConfig, max_seq_len: int,
     ``sampled_drafter``: a second drafter of the same geometry (replica/drafters.py) sharing the pool."""
     block_size = drafter.args.block_size if drafter is not None else 0
     device = config.torch_device
-    if sampled_drafter is not None:
-        if drafter is None:
-            raise ValueError("sampled_draft_dir: a sampled drafter needs the greedy drafter (draft_dir) too")
-        check_same_geometry(drafter.args, sampled_drafter.args)
+    check_drafter_pair(drafter.args if drafter is not None else None,
+                       sampled_drafter.args if sampled_drafter is not None else None)
     # Before the draft pool and tail tables exist: a configuration that cannot fit is refused here.
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     plan = check_memory_plan(target.args, drafter.args if drafter is not None else None, config, max_seq_len,

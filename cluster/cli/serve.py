@@ -58,12 +58,9 @@ def cluster_config_from_args(args):
 
     base = cluster_config_of(load_serve_config(args.config)) if args.config else ClusterConfig()
     data = base.model_dump()
-    if args.port is not None:
-        data["grpc_port"] = args.port
-    if args.http_port is not None:
-        data["http_port"] = args.http_port
-    if args.request_timeout is not None:
-        data["request_timeout_s"] = args.request_timeout
+    for flag, key in (("port", "grpc_port"), ("http_port", "http_port"), ("request_timeout", "request_timeout_s")):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
     if args.target is not None:
         data["model"].update(target_dir=args.target, draft_dir=args.draft, sampled_draft_dir=args.sampled_draft)
     elif args.draft is not None:
@@ -71,12 +68,9 @@ def cluster_config_from_args(args):
     elif args.sampled_draft is not None:
         data["model"]["sampled_draft_dir"] = args.sampled_draft
     engine = data["engine"]
-    if args.sampled_draft_min_temperature is not None:
-        engine["sampled_draft_min_temperature"] = args.sampled_draft_min_temperature
-    if args.max_concurrency is not None:
-        engine["max_concurrency"] = args.max_concurrency
-    if args.max_seq_len is not None:
-        engine["max_seq_len"] = args.max_seq_len
+    for key in ("sampled_draft_min_temperature", "max_concurrency", "max_seq_len"):
+        if getattr(args, key) is not None:
+            engine[key] = getattr(args, key)
     for flag, key in (("device", "device"), ("dtype", "dtype"), ("retrieval", "retrieval")):
         if getattr(args, flag) != "auto":
             engine[key] = getattr(args, flag)
