@@ -307,6 +307,50 @@ def test_expected_sampled_acceptance_is_sum_of_min_p_q_chained_over_rows():
     assert got.item() == pytest.approx(sum(expected_lengths) / len(expected_lengths), rel=1e-5)
 
 
+def test_held_out_sampled_blocks_chain_min_p_q_over_the_full_distribution(target_dir):
+    """The held-out sampled figure against a brute-force loop: row t of the block at anchor a reads the
+    target's FULL distribution after x[..a+t-1] (not renormalised over a top k, which overstates it;
+    not one position off), q is the tail's softmax over the parallel logits' top-K at the temperature."""
+    from dspine.replica.models.dspine_checkpoint import init_random_drafter
+    from dspine.replica.models.dspine_config import DraftArgs
+    from dspine.replica.models.loader import load_target
+    from dspine.training.draft.evaluate import expected_sampled_blocks, target_probabilities
+    from dspine.training.draft.losses import tail_hidden
+    from dspine.training.draft.target_pass import target_pass
+
+    target = load_target(target_dir)
+    args = DraftArgs.for_target(target.args, **dict(TINY_DRAFTER))
+    drafter = init_random_drafter(target, args, seed=3).eval()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, target.args.vocab_size, (3, 40), generator=g)
+    T, prompt_len, new_tokens, BS, K = 0.7, 12, 6, args.block_size, args.head_topk
+    features, _, _ = target_pass(target, tokens, tuple(args.feature_layers), dtype=torch.float32)
+    probs = target_probabilities(target, tokens, T)
+    got = expected_sampled_blocks(drafter, features, tokens, probs, prompt_len, new_tokens, T)
+    lengths, row1 = [], []
+    with torch.no_grad():
+        for b in range(tokens.shape[0]):
+            for a in range(prompt_len, prompt_len + new_tokens):
+                out = drafter.forward_train(features[b : b + 1], tokens[b : b + 1], torch.tensor([[a]]))
+                preds = tokens[b, a : a + BS - 1].view(1, 1, -1)
+                logits = drafter.logits(out.hidden[:, :, 1:])[0, 0]
+                tail = drafter.logits(tail_hidden(drafter, out, preds))[0, 0]
+                length, alive = 0.0, 1.0
+                for row in range(BS - 1):
+                    cand = logits[row].topk(K).indices
+                    q = torch.zeros(target.args.vocab_size)
+                    q[cand] = (tail[row, cand] / T).softmax(-1)
+                    p = (target(tokens[b : b + 1, : a + row + 1]).logits[0, -1].float() / T).softmax(-1)
+                    alpha = torch.minimum(p, q).sum().item()
+                    row1 += [alpha] if row == 0 else []
+                    alive *= alpha
+                    length += alive
+                lengths.append(length)
+    assert got["blocks"] == len(lengths)
+    assert got["block_accept_expected"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-4)
+    assert got["row_accept"][0] == pytest.approx(sum(row1) / len(row1), abs=1e-4)
+
+
 def test_soft_labels_count_on_rows_past_the_greedy_path():
     """The soft label is the target's distribution after the true prefix, defined after any prefix: with
     soft labels only, the loss does not depend on the greedy labels (a sampled continuation leaves the
@@ -360,8 +404,12 @@ def test_sampled_recipe_starts_from_a_trained_drafter(target_dir, tmp_path):
     a, b = load_file(greedy_dir / "model.safetensors"), load_file(copied / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sampled = {**SAMPLED_RECIPE, "gen_batch": 16, "soft_label_topk": 8}
-    summary = train_draft(_config(target_dir, tmp_path / "sampled", steps=6, eval_sequences=0,
+    summary = train_draft(_config(target_dir, tmp_path / "sampled", steps=6, eval_sequences=4,
                                   init_from=str(greedy_dir), **sampled), log=lambda *_: None)
     assert 0 < summary["final_train_accept_sampled"] <= 15
+    # and its held-out figure, on text the target sampled at the recipe's temperature
+    held_out = summary["heldout_sampled"]
+    assert held_out["temperature"] == 0.7 and held_out["blocks"] == 4 * 24
+    assert 0 < held_out["block_accept_expected"] <= 15
     with pytest.raises(ValueError, match="soft_label_topk"):
         train_draft(_config(target_dir, tmp_path / "bad", continuation_temperature=0.7), log=lambda *_: None)

@@ -75,13 +75,14 @@ with probability sum_x min(p(x), q(x)), which a one-hot label does not teach,
 and the greedy label's path mask would hide every row after the first
 departure. It starts from the greedy drafter's weights (``init_from``). Its
 log adds the expected sampled accepted length (``accept_sampled``, with true
-predecessors).
+predecessors), and its summary the same on held-out text the target sampled
+(``heldout_sampled``, against the target's full distribution).
 
 One job per module: ``config`` (settings), ``continuations`` (the target's
 decoding), ``data`` (prompts, generation, the cache), ``target_pass``
 (features and greedy labels), ``labels``, ``anchors``, ``losses``,
 ``schedule`` (optimiser and learning rate), ``evaluate`` (the held-out
-replay) and ``loop`` (``train_draft``, the recipe end to end).
+figures) and ``loop`` (``train_draft``, the recipe end to end).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dspine.replica.tokenizer import Tokenizer
 from .anchors import sample_anchors
 from .config import TINY_DRAFTER, DraftTrainConfig
 from .data import distillation_data, target_fingerprint
-from .evaluate import simulate_greedy_cycles
+from .evaluate import expected_sampled_blocks, simulate_greedy_cycles, target_probabilities
 from .losses import block_losses, row_weights
 from .schedule import build_optimizer, lr_at
 from .target_pass import target_pass
@@ -160,10 +160,30 @@ def train_draft(cfg: DraftTrainConfig, log=_print) -> dict:
         log(f"held-out greedy speculative decoding replayed offline ({cfg.eval_sequences} prompts of "
             f"{cfg.eval_prompt_len} tokens, {cfg.eval_new_tokens} new tokens): mean accepted length "
             f"{ev['cycle_accept']:.2f} per cycle over {ev['cycles']} cycles")
+        if cfg.continuation_temperature > 0:  # the sampled recipe: also its own figure, on sampled held-out text
+            summary["heldout_sampled"] = _heldout_sampled(drafter, target, tokenizer, taps, cfg, ev_len,
+                                                          cache_dir / f"heldout-{ev_tag}-T{cfg.continuation_temperature:g}"
+                                                                      ".safetensors", log)
     summary["total_seconds"] = time.time() - t0
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"drafter saved to {out} ({summary['total_seconds']:.0f} s)")
     return summary
+
+
+def _heldout_sampled(drafter, target, tokenizer, taps, cfg: DraftTrainConfig, ev_len: int, cache: Path, log) -> dict:
+    """The expected sampled acceptance of blocks on held-out continuations the target sampled at the
+    recipe's temperature (``expected_sampled_blocks``: the target's full p, not the top-k labels)."""
+    temperature = cfg.continuation_temperature
+    ev_cfg = dataclasses.replace(cfg, prompt_lens=(cfg.eval_prompt_len,), seq_len=ev_len)
+    tokens, _ = distillation_data(target, tokenizer, "heldout", cfg.eval_sequences, ev_cfg, cfg.seed, cache, log)
+    features, _, _ = target_pass(target, tokens, taps)
+    probs = target_probabilities(target, tokens, temperature)
+    ev = expected_sampled_blocks(drafter, features, tokens, probs, cfg.eval_prompt_len, cfg.eval_new_tokens,
+                                 temperature)
+    log(f"held-out sampled blocks at T={temperature:g} ({cfg.eval_sequences} prompts, {ev['blocks']} blocks): "
+        f"expected accepted length {ev['block_accept_expected']:.2f}, rows 1-4 accepted "
+        f"{', '.join(f'{a:.2f}' for a in ev['row_accept'])}")
+    return ev
 
 
 def _load_initial_weights(drafter: DSpineDrafter, draft_dir: Path, target, log) -> None:

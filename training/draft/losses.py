@@ -87,7 +87,9 @@ def block_losses(drafter: DSpineDrafter, features: torch.Tensor, tokens: torch.T
 def _expected_sampled_accept(logits, tail_logits, soft_ids, soft_probs, temperature: float, num_candidates: int):
     """logits, tail_logits [B, A, R, V]; soft_ids, soft_probs [B, A, R, k] -> the mean expected accepted
     length: the tail samples among the parallel logits' top candidates from softmax(tail / T); a row is
-    accepted with probability sum_x min(p(x), q(x)) (bounded below here: x over the target's top k)."""
+    accepted with probability sum_x min(p(x), q(x)), x over the target's top k with p renormalised over them
+    (the labels keep no more), which overstates p there; ``evaluate.expected_sampled_blocks`` is the
+    held-out figure with the target's full p."""
     cand = logits.topk(num_candidates, dim=-1).indices  # [B, A, R, K]
     q_cand = (tail_logits.gather(-1, cand) / temperature).softmax(-1)  # [B, A, R, K]
     match = soft_ids[..., :, None] == cand[..., None, :]  # [B, A, R, k, K]
