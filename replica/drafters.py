@@ -2,9 +2,12 @@
 
 The shipped drafter is distilled on the target's greedy continuations and accepts far less
 under sampling; a second drafter distilled on sampled continuations (soft labels) serves the
-sampled requests. Both have the same geometry (identical :class:`DraftArgs`), so they share the
-engine's ONE draft KV pool (its slots are per request, and a request drafts with one drafter
-for its whole life) and one verify layout; each has its own tail tables.
+sampled requests. Both have the same geometry (the same :class:`DraftArgs` but for the tail's
+candidate counts), so they share the engine's ONE draft KV pool (its slots are per request, and
+a request drafts with one drafter for its whole life) and one verify layout; each has its own
+tail tables, with its own number of candidates per row (``head_topk``, K) and of retrieved
+tokens they are rescored from (``num_retrieve``, R): a sampled request's target is spread over
+more tokens than a greedy one's, and its drafter gains from more candidates.
 
 Terms: a request's *drafter name* is :data:`GREEDY`, :data:`SAMPLED` or ``""`` (not
 speculative). It is chosen once, at admission (:func:`choose_drafter`), stored on the request
@@ -43,10 +46,16 @@ def check_drafter_pair(greedy_args, sampled_args) -> None:
     check_same_geometry(greedy_args, sampled_args)
 
 
+# Fields of DraftArgs that only size a drafter's own tail (its candidates per row), not the draft
+# KV pool, the drafter's forward or the verify layout: two drafters may differ in them.
+PER_DRAFTER_FIELDS = frozenset({"head_topk", "num_retrieve"})
+
+
 def check_same_geometry(greedy_args, sampled_args) -> None:
-    """Raise :class:`DrafterGeometryError` naming the first DraftArgs field that differs."""
+    """Raise :class:`DrafterGeometryError` naming the first DraftArgs field that differs
+    (:data:`PER_DRAFTER_FIELDS` excepted)."""
     for f in dataclasses.fields(greedy_args):
-        if not f.init:  # derived fields follow from the others
+        if not f.init or f.name in PER_DRAFTER_FIELDS:  # derived fields follow from the others
             continue
         greedy, sampled = getattr(greedy_args, f.name), getattr(sampled_args, f.name)
         if greedy != sampled:

@@ -43,12 +43,13 @@ class NoDrafterError(DSpineError, ValueError):
 
 class DrafterGeometryError(DSpineError, ValueError):
     """The sampled drafter's geometry differs from the greedy drafter's: the two share one draft KV
-    pool and one verify layout, so every DraftArgs field must match. ``field`` names the first that
-    differs. Raised when the engine is built, never by a request (so no gRPC code maps it)."""
+    pool and one verify layout, so every DraftArgs field but the tail's candidate counts must match.
+    ``field`` names the first that differs. Raised when the engine is built, never by a request (so no gRPC code maps it)."""
 
     def __init__(self, field: str, greedy, sampled):
         super().__init__(f"sampled_draft_dir: the sampled drafter's {field} is {sampled!r}, the greedy drafter's "
-                         f"{greedy!r}; both drafters must have the same DraftArgs (config.json)")
+                         f"{greedy!r}; both drafters must have the same DraftArgs (config.json) but "
+                         f"head_topk and num_retrieve")
         self.field, self.greedy, self.sampled = field, greedy, sampled
 
     def __reduce__(self):

@@ -84,17 +84,35 @@ class RunnerDrafters:
 
 def merge_proposals(proposals: list):
     """The groups' :class:`~dspine.replica.tail.Proposal` s stacked along the batch (the groups are
-    contiguous in the batch, in this order). Every group has the same K (same DraftArgs)."""
+    contiguous in the batch, in this order). The drafters may propose over different numbers of
+    candidates (K): a narrower group's q and candidates are padded to the widest K with q = 0 on
+    copies of the row's first candidate, which adds nothing wherever q is read (verification sums
+    q over matching candidates) and is never chosen (``choice`` indexes the group's own K)."""
     from .tail import Proposal
 
+    width = max(p.q.shape[-1] for p in proposals)
     confidence = None
     if proposals[0].confidence is not None:
         confidence = torch.cat([p.confidence for p in proposals])
     q_order = proposals[::-1] if faults.active("runner.proposals_merged_out_of_order") else proposals
     return Proposal(
         draft_ids=torch.cat([p.draft_ids for p in proposals]),  # [NB, BS-1]
-        q=torch.cat([p.q for p in q_order]),  # [NB, BS-1, K]
-        cand_ids=torch.cat([p.cand_ids for p in q_order]),  # [NB, BS-1, K]
+        q=torch.cat([_padded(p.q, width, 0.0) for p in q_order]),  # [NB, BS-1, K_max]
+        cand_ids=torch.cat([_padded(p.cand_ids, width, None) for p in q_order]),  # [NB, BS-1, K_max]
         choice=torch.cat([p.choice for p in proposals]),  # [NB, BS-1]
         confidence=confidence,  # [NB, BS-1] or None
     )
+
+
+def _padded(values: torch.Tensor, width: int, fill: float | None) -> torch.Tensor:
+    """``values [NB, BS-1, K]`` widened to ``width`` on the last dim: with ``fill``, or (None) with
+    copies of each row's first entry."""
+    # values: [NB, BS-1, K]
+    missing = width - values.shape[-1]
+    if missing == 0:
+        return values
+    if fill is None:
+        pad = values[..., :1].expand(*values.shape[:-1], missing)
+    else:
+        pad = values.new_full((*values.shape[:-1], missing), fill)
+    return torch.cat([values, pad], dim=-1)

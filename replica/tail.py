@@ -113,7 +113,9 @@ class Proposal:
 
     draft_ids: torch.Tensor  # [NB, BS-1] int64 proposed tokens y_1..y_{BS-1}
     q: torch.Tensor  # [NB, BS-1, K] float64 distribution each y_t was drawn from, over cand_ids[:, t]
-    cand_ids: torch.Tensor  # [NB, BS-1, K] int64 candidates (distinct per row, logit-descending)
+    # [NB, BS-1, K] int64 candidates (distinct per row, logit-descending; a merged proposal of two
+    # drafters pads a narrower K with copies of the row's first candidate whose q is 0)
+    cand_ids: torch.Tensor
     choice: torch.Tensor  # [NB, BS-1] int64 slot of y_t in cand_ids (draft_ids = cand_ids[choice])
     # [NB, BS-1] float: how sure the drafter is at row t BEFORE drawing y_t: the top probability of
     # the softmax (temperature 1) over the K candidates' conditional scores given y_{t-1}. Dynamic
@@ -123,7 +125,8 @@ class Proposal:
     def dense_q(self, vocab_size: int) -> torch.Tensor:
         """q scattered over the vocabulary: ``[NB, BS-1, V]`` float64, zero outside the candidates."""
         out = self.q.new_zeros(*self.q.shape[:2], vocab_size)
-        return out.scatter_(2, self.cand_ids, self.q)
+        # add, not write: a merged proposal pads its narrower rows with repeated ids of q = 0
+        return out.scatter_add_(2, self.cand_ids, self.q)
 
     @classmethod
     def make_dummy(cls, nb: int = 1, bs: int = 16, k: int = 16) -> "Proposal":

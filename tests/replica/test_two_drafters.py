@@ -12,6 +12,8 @@ in a batch that mixes both kinds of request.
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -40,6 +42,13 @@ def _prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
 
 def _random_like(target, drafter, seed: int = 1):
     return init_random_drafter(target, drafter.args, seed=seed).eval()
+
+
+def _with_candidates(drafter, head_topk: int):
+    """The same drafter (weights shared) proposing over ``head_topk`` candidates per row."""
+    wider = copy.copy(drafter)
+    wider.args = dataclasses.replace(drafter.args, head_topk=head_topk)
+    return wider
 
 
 def _engine(greedy_drafter, sampled_drafter, target, **config) -> Engine:
@@ -169,13 +178,16 @@ SEEDS_PER_PROMPT = 48
 MIXED_NEW_TOKENS = 16
 
 
-def _mixed_run():
+def _mixed_run(sampled_head_topk: int | None = None):
     """One greedy request in every eight among seeded sampled ones (so each step mixes both
     drafters); returns the sampled outputs' fit to the target after checking the greedy outputs
-    against target-only greedy and every request's drafter name."""
+    against target-only greedy and every request's drafter name. ``sampled_head_topk``: the sampled
+    drafter proposes over that many candidates (the greedy one over its 16)."""
     # the distilled drafter serves the sampled requests (partial acceptance: the verification at work)
     target, drafter = distilled_pair()
-    engine = _engine(_random_like(target, drafter), drafter, target, verify_threshold=0.05)
+    sampled = drafter if sampled_head_topk is None else _with_candidates(drafter, sampled_head_topk)
+    engine = _engine(_random_like(target, drafter), sampled, target, verify_threshold=0.05)
+    assert engine.runner.drafters["sampled"].tail_tables.head_topk == sampled.args.head_topk
     prompts = _prompts(target.args.vocab_size, [3, 7, 12, 20])
     sampled_params = SamplingParams(temperature=1.0, max_new_tokens=MIXED_NEW_TOKENS, ignore_eos=True)
     greedy_params = SamplingParams(temperature=0.0, max_new_tokens=MIXED_NEW_TOKENS, ignore_eos=True)
@@ -209,6 +221,46 @@ def test_a_mixed_batch_is_lossless_for_both_kinds():
     assert result.pvalue > 1e-4, result
 
 
+def test_a_sampled_drafter_with_more_candidates_is_lossless_in_a_mixed_batch():
+    """The sampled drafter proposes over 32 candidates per row, the greedy one over 16: the merged
+    proposal pads the greedy rows, and both kinds stay lossless."""
+    result = _mixed_run(sampled_head_topk=32)
+    assert result.pvalue > 1e-4, result
+
+
+def test_proposals_of_different_widths_merge_into_the_same_distributions():
+    """Merging a K=3 and a K=5 proposal: every row's dense q, its drawn token's slot and the
+    verification of the merged batch are each group's own (with the same p and coins)."""
+    from dspine.replica import verify
+    from dspine.replica.runner_drafters import merge_proposals
+    from dspine.replica.tail import Proposal
+
+    g = torch.Generator().manual_seed(4)
+    vocab, rows = 11, 4
+
+    def proposal(nb: int, k: int) -> Proposal:
+        cand = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(nb * rows)]).view(nb, rows, k)
+        q = torch.rand(nb, rows, k, generator=g, dtype=torch.float64)
+        q = q / q.sum(-1, keepdim=True)
+        choice = torch.randint(0, k, (nb, rows), generator=g)
+        return Proposal(cand.gather(2, choice[..., None]).squeeze(2), q, cand, choice)
+
+    narrow, wide = proposal(2, 3), proposal(3, 5)
+    merged = merge_proposals([narrow, wide])
+    assert merged.q.shape == (5, rows, 5)
+    assert torch.equal(merged.dense_q(vocab), torch.cat([narrow.dense_q(vocab), wide.dense_q(vocab)]))
+    assert torch.equal(merged.cand_ids.gather(2, merged.choice[..., None]).squeeze(2), merged.draft_ids)
+    target_probs = (2 * torch.randn(5, rows + 1, vocab, generator=g)).softmax(-1)
+    coins, final_coins = torch.rand(5, rows, generator=g), torch.rand(5, generator=g)
+    together = verify.verify_sampled(merged.draft_ids, merged.q, target_probs, coins, final_coins,
+                                     draft_q_ids=merged.cand_ids)
+    apart = [verify.verify_sampled(p.draft_ids, p.q, target_probs[rows_], coins[rows_], final_coins[rows_],
+                                   draft_q_ids=p.cand_ids)
+             for p, rows_ in ((narrow, slice(0, 2)), (wide, slice(2, 5)))]
+    assert torch.equal(together.output_ids, torch.cat([r.output_ids for r in apart]))
+    assert torch.equal(together.accepted_len, torch.cat([r.accepted_len for r in apart]))
+
+
 def test_the_mixed_batch_test_fails_when_proposals_merge_out_of_order():
     with faults.inject("runner.proposals_merged_out_of_order"):
         result = _mixed_run()
@@ -224,6 +276,10 @@ def test_a_sampled_drafter_of_another_geometry_is_refused_naming_the_field():
     assert info.value.field == "window"
     with pytest.raises(ValueError, match="sampled_draft_dir"):  # a sampled drafter alone
         _engine(None, drafter, target)
+    # the tail's candidate counts are the drafter's own: they may differ
+    own_tail = dataclasses.replace(drafter.args, head_topk=8, num_retrieve=16)
+    engine = _engine(drafter, init_random_drafter(target, own_tail, seed=1).eval(), target)
+    assert engine.runner.drafters["sampled"].tail_tables.head_topk == 8
 
 
 def test_from_pretrained_loads_two_drafters_and_checks_geometry_before_loading(tmp_path):

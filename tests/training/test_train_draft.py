@@ -403,11 +403,14 @@ def test_sampled_recipe_starts_from_a_trained_drafter(target_dir, tmp_path):
     assert any("initialised from" in line for line in lines)
     a, b = load_file(greedy_dir / "model.safetensors"), load_file(copied / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    sampled = {**SAMPLED_RECIPE, "gen_batch": 16, "soft_label_topk": 8}
+    # the test's tiny geometry with the recipe's own tail (32 candidates per row)
+    sampled = {**SAMPLED_RECIPE, "gen_batch": 16, "soft_label_topk": 8,
+               "model_overrides": TINY_DRAFTER + SAMPLED_RECIPE["model_overrides"]}
     summary = train_draft(_config(target_dir, tmp_path / "sampled", steps=6, eval_sequences=4,
                                   init_from=str(greedy_dir), **sampled), log=lambda *_: None)
     assert 0 < summary["final_train_accept_sampled"] <= 15
     # and its held-out figure, on text the target sampled at the recipe's temperature
+    assert load_draft_args(tmp_path / "sampled").head_topk == 32
     held_out = summary["heldout_sampled"]
     assert held_out["temperature"] == 0.7 and held_out["blocks"] == 4 * 24
     assert 0 < held_out["block_accept_expected"] <= 15

@@ -190,10 +190,14 @@ def _load_initial_weights(drafter: DSpineDrafter, draft_dir: Path, target, log) 
     """Copy a trained drafter's weights (same geometry) into ``drafter`` (fp32, ready to train)."""
     from dspine.replica.models.dspine_checkpoint import load_drafter
 
+    from dspine.replica.drafters import check_same_geometry
+
     trained = load_drafter(draft_dir, target.embed_tokens, target.lm_head_weight)
-    if trained.args != drafter.args:
+    try:  # the tail's candidate counts are no weights: the recipe's own apply
+        check_same_geometry(trained.args, drafter.args)
+    except ValueError as e:
         raise ValueError(f"init_from {draft_dir}: its geometry differs from the recipe's "
-                         f"({trained.args} vs {drafter.args})")
+                         f"({trained.args} vs {drafter.args})") from e
     with torch.no_grad():
         own = dict(drafter.named_parameters())
         for name, param in trained.named_parameters():
