@@ -19,7 +19,12 @@ gain (row t of request b gains ``P(rows 1..t of b accepted)`` tokens) while
 the step's tokens per second improve, and compares the best plan with a
 target-only step. When target-only wins, a probe step drafts again after a
 while (4 steps, doubling up to 64 while speculation keeps losing) so a request
-whose text becomes predictable is noticed.
+whose text becomes predictable is noticed. The back-off starts over only after
+a planned drafting step that paid: one that committed at least the tokens a
+target-only step would have in its time. A probe's lucky cycle lifts the
+estimates and the next step drafts; if that step does not pay, the probes keep
+backing off (restarting them at 4 put five probes into 128 steps of 8 requests
+in flight, each 2.8 target-only steps long for 2 steps' tokens).
 
 Lossless by construction: a plan is made before the step drafts anything,
 from past cycles and timings only, so whether a row is verified never depends
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+from dspine import faults
 
 __all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", "StepPlan"]
 
@@ -220,6 +227,9 @@ class SpeculationPolicy:
         self._last_drafted: dict[str, int] = {}  # request id -> the decode step it last drafted in
         self._steps_without_draft = 0
         self._probe_interval = _FIRST_PROBE_INTERVAL
+        # The last planned drafting step, until it is judged: (accepted tokens it needed to beat a
+        # target-only step, its drafting requests, the tokens they accepted so far).
+        self._unjudged: tuple[float, frozenset[str], list[int]] | None = None
         self.num_probes = 0
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
@@ -243,11 +253,14 @@ class SpeculationPolicy:
         for request_id in candidates:
             self.profile(request_id, request_id in sampled)
         self.num_decode_steps += 1
+        self._judge_last_drafting_step()
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
         rows = self._best_rows(candidates, num_target_only)
         if rows:
-            self._probe_interval = _FIRST_PROBE_INTERVAL
+            if faults.active("policy.probe_interval_reset_by_any_draft"):
+                self._probe_interval = _FIRST_PROBE_INTERVAL
+            self._unjudged = (self._break_even(rows, len(candidates) + num_target_only), frozenset(rows), [0])
             return self._drafting(StepPlan(rows))
         self._steps_without_draft += 1
         if self._steps_without_draft >= self._probe_interval:
@@ -259,6 +272,23 @@ class SpeculationPolicy:
             self.num_probes += bool(probe)
             return self._drafting(StepPlan(probe, is_probe=True))
         return StepPlan({})
+
+    def _break_even(self, rows: dict[str, int], batch: int) -> float:
+        """Accepted draft tokens a step drafting ``rows`` (``batch`` requests in all) must commit to
+        beat a target-only step: its predicted seconds at the target-only rate, less the one token
+        each request commits anyway."""
+        drafting = len(rows)
+        seconds = self.costs.step_seconds(drafting, drafting + sum(rows.values()), batch - drafting)
+        return seconds * batch / self.costs.step_seconds(0, 0, batch) - batch
+
+    def _judge_last_drafting_step(self) -> None:
+        """Restart the probes' back-off if the last planned drafting step paid."""
+        if self._unjudged is None:
+            return
+        needed, _, accepted = self._unjudged
+        self._unjudged = None
+        if accepted[0] >= needed:
+            self._probe_interval = _FIRST_PROBE_INTERVAL
 
     def _drafting(self, plan: StepPlan) -> StepPlan:
         for request_id in plan.draft_rows:
@@ -308,6 +338,8 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------ learning
     def observe_cycle(self, request_id: str, num_verified: int, accepted_len: int) -> None:
+        if self._unjudged is not None and request_id in self._unjudged[1]:
+            self._unjudged[2][0] += accepted_len
         self.profile(request_id).observe(num_verified, accepted_len)
 
     def forget(self, request_id: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspine import faults
+
 from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
 from dspine.replica.speculation_policy import AcceptanceProfile, LinearCost, SpeculationPolicy
@@ -143,6 +145,53 @@ def test_probes_back_off_while_speculation_loses():
     probes = [i for i, d in enumerate(drafted) if d]
     assert probes[:5] == [3, 11, 27, 59, 123]  # every 4th step, then 8th, 16th, 32nd, 64th
     assert sum(drafted) / len(drafted) < 0.1
+
+
+def _lucky_probes_unlucky_follow_ups(steps: int = 400) -> tuple[list[int], int]:
+    """A request whose probes accept every row and whose planned drafting steps accept none (a lucky
+    probe lifts the estimates, the next steps do not pay): ``(probe steps, drafting steps)``."""
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("r", ROWS, 0)
+    probes, drafted = [], 0
+    for step in range(steps):
+        plan = policy.plan({"r": ROWS})
+        rows = plan.draft_rows.get("r", 0)
+        if rows:
+            drafted += 1
+            probes += [step] if plan.is_probe else []
+            policy.observe_cycle("r", rows, rows if plan.is_probe else 0)
+    return probes, drafted
+
+
+def test_a_drafting_step_that_did_not_pay_keeps_the_probes_backing_off():
+    """Only a planned drafting step that paid restarts the probes at every 4th step; one that did
+    not (accepted less than a target-only step's worth) leaves the back-off where it was."""
+    probes, drafted = _lucky_probes_unlucky_follow_ups()
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) <= 10 and gaps[:3] == sorted(gaps[:3]) and min(gaps[2:]) >= 32, probes
+    assert drafted / 400 < 0.2
+    with faults.inject("policy.probe_interval_reset_by_any_draft"):
+        probes, drafted = _lucky_probes_unlucky_follow_ups()
+    assert len(probes) > 20 and drafted / 400 > 0.5  # the old reset: a probe every ~10 steps
+
+
+def test_a_drafting_step_that_paid_restarts_the_probes():
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("r", ROWS, 0)
+    for _ in range(60):  # back off: the next probe is now 32 steps away
+        plan = policy.plan({"r": ROWS})
+        if plan.draft_rows:
+            policy.observe_cycle("r", plan.draft_rows["r"], 0)
+    assert policy._probe_interval >= 32
+    for _ in range(10):  # the text became predictable: planned steps draft and pay
+        policy.observe_cycle("r", ROWS, ROWS)
+    plan = policy.plan({"r": ROWS})
+    assert plan.draft_rows and not plan.is_probe
+    policy.observe_cycle("r", plan.draft_rows["r"], plan.draft_rows["r"])
+    policy.plan({"r": ROWS})  # the paid step is judged when the next step is planned
+    assert policy._probe_interval == 4
 
 
 # ------------------------------------------------------------- through the engine
