@@ -42,9 +42,16 @@ def _sampled_run(engine, prompts):
 
 
 def test_the_sampled_drafter_ships_with_the_greedy_drafters_geometry():
+    from dspine.replica.drafters import PER_DRAFTER_FIELDS
+    from dspine.training.draft import SAMPLED_RECIPE
+
     greedy = json.loads((embedded.DRAFT_DIR / "config.json").read_text())
     sampled = json.loads((embedded.SAMPLED_DRAFT_DIR / "config.json").read_text())
-    assert greedy == sampled
+    assert {k: v for k, v in greedy.items() if k not in PER_DRAFTER_FIELDS} == {
+        k: v for k, v in sampled.items() if k not in PER_DRAFTER_FIELDS}
+    # its own tail: the recipe's candidates per row (32), the greedy drafter's 16
+    assert sampled["head_topk"] == dict(SAMPLED_RECIPE["model_overrides"])["head_topk"] == 32
+    assert greedy["head_topk"] == 16
     summary = json.loads((embedded.SAMPLED_DRAFT_DIR / "train_summary.json").read_text())
     recipe = summary["config"]
     assert recipe["continuation_temperature"] > 0 and recipe["soft_label_topk"] > 0
