@@ -18,8 +18,9 @@ target step. Both sides are measured, not assumed:
 gain (row t of request b gains ``P(rows 1..t of b accepted)`` tokens) while
 the step's tokens per second improve, and compares the best plan with a
 target-only step. When target-only wins, a probe step drafts again after a
-while (4 steps, doubling up to 64 while speculation keeps losing) so a request
-whose text becomes predictable is noticed. The back-off starts over only after
+while (4 steps, doubling up to 64 while speculation keeps losing; 128 for
+sampled requests, each kind on its own schedule) so a request whose text
+becomes predictable is noticed. The back-off starts over only after
 a planned drafting step that paid: one that committed at least the tokens a
 target-only step would have in its time. A probe's lucky cycle lifts the
 estimates and the next step drafts; if that step does not pay, the probes keep
@@ -47,7 +48,12 @@ _COST_DECAY = 0.9
 _ACCEPT_DECAY = 0.95
 _PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide profile in a request's estimate
 _FIRST_PROBE_INTERVAL = 4
-_MAX_PROBE_INTERVAL = 64
+# Each kind of request backs off on its own schedule (a stream of sampled requests that do not
+# pay must not delay the probes that find a greedy request's runs). A sampled probe costs about
+# 1.3 target-only steps on a 2-core CPU (a cycle of 3.3 steps for 2 tokens) and sampled
+# acceptance does not come in runs, so its back-off goes twice as far: about 1% of the decode
+# time spent on probes, not 2%.
+_MAX_PROBE_INTERVAL = {"greedy": 64, "sampled": 128}
 # Rows a probe verifies per request. Greedy acceptance comes in runs (on the embedded pair a
 # fully accepted block is followed by another 90% of the time, by 3.5% otherwise), and a probe
 # that stops at row 4 cannot see the run that makes drafting pay: 8 greedy requests in flight
@@ -224,12 +230,14 @@ class SpeculationPolicy:
         # are where a new request's estimates start.
         self.engine_profiles = {kind: AcceptanceProfile(num_rows, initial=0.5) for kind in ("greedy", "sampled")}
         self._profiles: dict[str, AcceptanceProfile] = {}
+        self._kinds: dict[str, str] = {}  # request id -> "greedy" or "sampled"
         self._last_drafted: dict[str, int] = {}  # request id -> the decode step it last drafted in
-        self._steps_without_draft = 0
-        self._probe_interval = _FIRST_PROBE_INTERVAL
+        # per kind of request: decode steps since one of that kind drafted, and its probe interval
+        self._steps_without_draft = {kind: 0 for kind in _MAX_PROBE_INTERVAL}
+        self._probe_interval = {kind: _FIRST_PROBE_INTERVAL for kind in _MAX_PROBE_INTERVAL}
         # The last planned drafting step, until it is judged: (accepted tokens it needed to beat a
-        # target-only step, its drafting requests, the tokens they accepted so far).
-        self._unjudged: tuple[float, frozenset[str], list[int]] | None = None
+        # target-only step, its drafting requests, the tokens they accepted so far, their kinds).
+        self._unjudged: tuple[float, frozenset[str], list[int], frozenset[str]] | None = None
         self.num_probes = 0
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
@@ -238,8 +246,9 @@ class SpeculationPolicy:
     def profile(self, request_id: str, sampled: bool = False) -> AcceptanceProfile:
         """The request's profile (created on first use, from the engine-wide one of its kind)."""
         if request_id not in self._profiles:
-            prior = self.engine_profiles["sampled" if sampled else "greedy"]
-            self._profiles[request_id] = AcceptanceProfile(self.num_rows, prior=prior)
+            kind = "sampled" if sampled else "greedy"
+            self._kinds[request_id] = kind
+            self._profiles[request_id] = AcceptanceProfile(self.num_rows, prior=self.engine_profiles[kind])
         return self._profiles[request_id]
 
     def plan(self, candidates: dict[str, int], num_target_only: int = 0, sampled: frozenset[str] = frozenset(),
@@ -258,20 +267,33 @@ class SpeculationPolicy:
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
         rows = self._best_rows(candidates, num_target_only)
         if rows:
+            kinds = frozenset(self._kinds[r] for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
-                self._probe_interval = _FIRST_PROBE_INTERVAL
-            self._unjudged = (self._break_even(rows, len(candidates) + num_target_only), frozenset(rows), [0])
+                self._restart_probes(kinds)
+            self._unjudged = (self._break_even(rows, len(candidates) + num_target_only), frozenset(rows), [0], kinds)
             return self._drafting(StepPlan(rows))
-        self._steps_without_draft += 1
-        if self._steps_without_draft >= self._probe_interval:
-            self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
+        due = []
+        for kind in sorted({self._kinds[r] for r in candidates}):
+            self._steps_without_draft[kind] += 1
+            if self._steps_without_draft[kind] >= self._probe_interval[kind]:
+                self._probe_interval[kind] = min(2 * self._probe_interval[kind], _MAX_PROBE_INTERVAL[kind])
+                due.append(kind)
+        if due:
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
-            oldest = sorted((r for r, m in candidates.items() if m > 0), key=lambda r: self._last_drafted.get(r, -1))
-            probe = {r: min(candidates[r], _PROBE_ROWS["sampled" if r in sampled else "greedy"])
-                     for r in oldest[:_PROBE_REQUESTS]}
+            oldest = sorted((r for r, m in candidates.items() if m > 0 and self._kinds[r] in due),
+                            key=lambda r: self._last_drafted.get(r, -1))
+            probe = {r: min(candidates[r], _PROBE_ROWS[self._kinds[r]]) for r in oldest[:_PROBE_REQUESTS]}
             self.num_probes += bool(probe)
             return self._drafting(StepPlan(probe, is_probe=True))
         return StepPlan({})
+
+    def probe_interval(self, kind: str) -> int:
+        """Decode steps a kind of request ("greedy" or "sampled") waits for its next probe now."""
+        return self._probe_interval[kind]
+
+    def _restart_probes(self, kinds) -> None:
+        for kind in kinds:
+            self._probe_interval[kind] = _FIRST_PROBE_INTERVAL
 
     def _break_even(self, rows: dict[str, int], batch: int) -> float:
         """Accepted draft tokens a step drafting ``rows`` (``batch`` requests in all) must commit to
@@ -285,17 +307,18 @@ class SpeculationPolicy:
         """Restart the probes' back-off if the last planned drafting step paid."""
         if self._unjudged is None:
             return
-        needed, _, accepted = self._unjudged
+        needed, _, accepted, kinds = self._unjudged
         self._unjudged = None
-        if accepted[0] >= needed:
-            self._probe_interval = _FIRST_PROBE_INTERVAL
+        if accepted[0] >= needed:  # (its requests may have finished since: their kinds were kept)
+            self._restart_probes(kinds)
 
     def _drafting(self, plan: StepPlan) -> StepPlan:
         for request_id in plan.draft_rows:
             self._last_drafted[request_id] = self.num_decode_steps
         if plan.draft_rows:
             self.num_drafting_steps += 1
-            self._steps_without_draft = 0
+            for kind in {self._kinds[r] for r in plan.draft_rows}:
+                self._steps_without_draft[kind] = 0
         return plan
 
     def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
@@ -344,6 +367,7 @@ class SpeculationPolicy:
 
     def forget(self, request_id: str) -> None:
         self._profiles.pop(request_id, None)
+        self._kinds.pop(request_id, None)
         self._last_drafted.pop(request_id, None)
 
     @property

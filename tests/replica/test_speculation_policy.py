@@ -147,6 +147,25 @@ def test_probes_back_off_while_speculation_loses():
     assert sum(drafted) / len(drafted) < 0.1
 
 
+def test_each_kind_backs_off_on_its_own_schedule():
+    """A sampled request's probes back off to every 128th step (a greedy one's to every 64th), and a
+    long losing stretch of sampled requests does not delay the first probe of a greedy request."""
+    policy = _policy_with_costs()
+    policy.profile("s", sampled=True)  # a sampled request (the engine plans before it observes)
+    for _ in range(10):
+        policy.observe_cycle("s", ROWS, 0)
+    sampled = frozenset({"s"})
+    drafted = [bool(policy.plan({"s": ROWS}, sampled=sampled).draft_rows) for _ in range(400)]
+    probes = [i for i, d in enumerate(drafted) if d]
+    assert probes[:7] == [3, 11, 27, 59, 123, 251, 379]  # 8, 16, 32, 64, then 128 apart
+    assert policy.probe_interval("sampled") == 128 and policy.probe_interval("greedy") == 4
+    for _ in range(10):
+        policy.observe_cycle("g", ROWS, 0)
+    first_greedy_probe = next(i for i in range(200)
+                              if "g" in policy.plan({"s": ROWS, "g": ROWS}, sampled=sampled).draft_rows)
+    assert first_greedy_probe == 3  # its own schedule starts at every 4th step
+
+
 def _lucky_probes_unlucky_follow_ups(steps: int = 400) -> tuple[list[int], int]:
     """A request whose probes accept every row and whose planned drafting steps accept none (a lucky
     probe lifts the estimates, the next steps do not pay): ``(probe steps, drafting steps)``."""
@@ -184,14 +203,14 @@ def test_a_drafting_step_that_paid_restarts_the_probes():
         plan = policy.plan({"r": ROWS})
         if plan.draft_rows:
             policy.observe_cycle("r", plan.draft_rows["r"], 0)
-    assert policy._probe_interval >= 32
+    assert policy.probe_interval("greedy") >= 32
     for _ in range(10):  # the text became predictable: planned steps draft and pay
         policy.observe_cycle("r", ROWS, ROWS)
     plan = policy.plan({"r": ROWS})
     assert plan.draft_rows and not plan.is_probe
     policy.observe_cycle("r", plan.draft_rows["r"], plan.draft_rows["r"])
     policy.plan({"r": ROWS})  # the paid step is judged when the next step is planned
-    assert policy._probe_interval == 4
+    assert policy.probe_interval("greedy") == 4
 
 
 # ------------------------------------------------------------- through the engine
