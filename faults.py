@@ -70,6 +70,18 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_a_drafting_step_that_did_not_pay_keeps_the_probes_backing_off
     "policy.probe_interval_reset_by_any_draft": "the probes' back-off starts over after every planned drafting "
                                                 "step, whether it paid or not",
+    # tests/replica/test_draft_context.py::test_a_request_that_never_drafts_never_runs_the_drafter
+    "runner.context_appended_at_once": "a speculative request's committed positions (its prompt's, and those "
+                                       "of its target-only steps) go to its draft context at once, one "
+                                       "drafter pass each, instead of waiting until it drafts",
+    # tests/replica/test_speculation_policy.py::test_rows_the_confidence_cut_dropped_count_against_the_forecast
+    "policy.acceptance_against_verified_rows": "a cycle's acceptance is observed against the rows it verified, "
+                                               "not the rows its plan drafted (rows the confidence cut dropped "
+                                               "never count against the forecast)",
+    # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
+    "policy.verify_cost_by_unpadded_rows": "the cost model prices a verify forward by the rows its requests "
+                                           "verify, not by the rows it computes (every request padded to the "
+                                           "longest), and the plan adds rows in order of gain",
 }
 
 # Faults of the gRPC edge's responsiveness, each caught by the test named beside it.

@@ -136,7 +136,8 @@ class EngineMonitoring:
         return {
             "requests": self.scheduler.num_unfinished,
             "target_states": self.runner.num_live_states,
-            "draft_slots": pool.used if pool is not None else 0,
+            # draft positions held: in the pool, or kept for it until the request drafts
+            "draft_slots": (pool.used if pool is not None else 0) + self.runner.num_deferred_positions(),
             "target_kv_blocks": self.runner.target_kv_used_blocks(),
         }
 

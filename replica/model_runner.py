@@ -66,8 +66,9 @@ class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraf
         self.precise_timing = False
         self._draft_rows: dict[str, int] = {}  # this step's plan (SchedulerOutput.draft_rows)
         self._drafting: frozenset[str] = frozenset()  # this step's SchedulerOutput.speculative_ids
-        # request_id -> features [1, F, H] of committed positions not yet in its draft context
+        # request_id -> features [T, F, H] of committed positions not yet in its draft context
         self._deferred_context: dict[str, list[torch.Tensor]] = {}
+        self._deferred_count: dict[str, int] = {}  # positions in _deferred_context, per request
         self._prefill_chunks: dict[str, tuple[int, int]] = {}  # this step's (SchedulerOutput.prefill_chunks)
         self._demoted: set[str] = set()  # speculative requests the draft pool could not extend
         self._verified_logits: torch.Tensor | None = None  # this cycle's processed target logits (logprobs)
@@ -104,6 +105,7 @@ class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraf
                 state.free()
             self.generators.pop(request_id, None)
             self._deferred_context.pop(request_id, None)
+            self._deferred_count.pop(request_id, None)
             self._request_drafter.pop(request_id, None)
             self._demoted.discard(request_id)
             if self.draft_pool is not None and self.draft_pool.has_request(request_id):
@@ -122,6 +124,10 @@ class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraf
     @property
     def num_live_states(self) -> int:
         return len(self.states)
+
+    def num_deferred_positions(self) -> int:
+        """Committed positions kept for draft contexts, not yet appended (runner_draft_context)."""
+        return sum(self._deferred_count.values())
 
     def target_tokens_in_use(self) -> int:
         """Positions held by live target states (a snapshot; read off the device thread too)."""

@@ -1,8 +1,10 @@
 """The drafter's context in the draft KV pool, kept by the model runner.
 
 A speculative request's committed positions reach its draft context: at once after a cycle, or
-deferred while it decodes target-only (appended in one drafter pass when it next drafts, or once
-a window's worth has piled up). When the pool cannot take a request's next positions it is
+deferred, from its prompt and while it decodes target-only, until it next drafts (then appended in
+one drafter pass) or :data:`MAX_DEFERRED_POSITIONS` have piled up. A request the adaptive policy
+never lets draft never pays a drafter pass, not even over its prompt (with 8 requests in flight
+that pass cost 1-2% of their decode time). When the pool cannot take a request's next positions it is
 demoted to target-only (which emits exactly what speculation would have). Mixin of
 :class:`~dspine.replica.model_runner.ModelRunner`.
 """
@@ -20,6 +22,12 @@ from .types import RunnerOutput
 
 logger = logging.getLogger("dspine.replica.model_runner")
 
+# Deferred positions a request keeps at most before they go to its draft context (fewer when the
+# drafter's window is shorter): the features of 256 positions of the 27B target's five taps are
+# 13 MiB in bf16, and a pass over that many positions costs little more per position than a
+# prompt's.
+MAX_DEFERRED_POSITIONS = 256
+
 
 class RunnerDraftContext:
     def _demote(self, request_id: str, out: RunnerOutput) -> None:
@@ -29,6 +37,7 @@ class RunnerDraftContext:
         if self.draft_pool.has_request(request_id):
             self.draft_pool.free_request(request_id)
         self._deferred_context.pop(request_id, None)
+        self._deferred_count.pop(request_id, None)
         self._demoted.add(request_id)
         out.draft_demoted.append(request_id)
 
@@ -43,7 +52,7 @@ class RunnerDraftContext:
         for request_id in request_ids:
             # a commit appends accepted + 1 <= verified rows + 1 positions, after the deferred ones
             rows = min(block, self._draft_rows.get(request_id, block - 1) + 1)
-            need = rows + sum(f.shape[0] for f in self._deferred_context.get(request_id, []))
+            need = rows + self._num_deferred(request_id)
             if self.draft_pool.can_append(fit + [request_id], counts + [need]):
                 fit.append(request_id)
                 counts.append(need)
@@ -58,15 +67,30 @@ class RunnerDraftContext:
 
     def _defer_context(self, request_ids: list[str], rows: list[int], features: torch.Tensor) -> None:
         """Keep row 0's features of ``rows`` (indices into ``request_ids``) for their draft contexts."""
-        # features: [N, T, F]; called last in a stage, so a retried stage never keeps a position twice
+        # features: [N, T, F, H]; called last in a stage, so a retried stage never keeps a position twice
         for b in rows:
-            self._deferred_context.setdefault(request_ids[b], []).append(features[b, :1].clone())
-        self._flush_context([request_ids[b] for b in rows
-                             if len(self._deferred_context[request_ids[b]]) >= self.drafter.args.window])
+            self._defer_positions(request_ids[b], features[b, :1])
+
+    def _defer_positions(self, request_id: str, features: torch.Tensor) -> None:
+        """Keep ``features`` [T, F, H] (the request's next committed positions) for its draft context;
+        append what has piled up once it reaches :data:`MAX_DEFERRED_POSITIONS` (or the window)."""
+        if faults.active("runner.context_appended_at_once"):
+            self._append_context([request_id], [features])
+            return
+        kept = self._deferred_context.setdefault(request_id, [])
+        kept.append(features.clone())
+        self._deferred_count[request_id] = self._deferred_count.get(request_id, 0) + int(features.shape[0])
+        if self._deferred_count[request_id] >= min(MAX_DEFERRED_POSITIONS, self.drafter.args.window):
+            self._flush_context([request_id])
+
+    def _num_deferred(self, request_id: str) -> int:
+        return self._deferred_count.get(request_id, 0)
 
 
     def _flush_context(self, request_ids: list[str]) -> None:
         """Append the deferred positions of these requests to their draft contexts (one drafter pass)."""
         pending = [(r, self._deferred_context.pop(r)) for r in request_ids if r in self._deferred_context]
+        for request_id, _ in pending:
+            self._deferred_count.pop(request_id, None)
         if pending:
             self._append_context([r for r, _ in pending], [torch.cat(features) for _, features in pending])

@@ -75,7 +75,9 @@ class RunnerPrefill:
                     continue
                 if faults.active("runner.chunk_features_dropped") and not last[b]:
                     continue
-                self._append_context([request.request_id], [result.features[b, : lengths[b]]])
+                # kept until the request first drafts (see runner_draft_context): one the adaptive
+                # policy never lets draft never runs its drafter over the prompt
+                self._defer_positions(request.request_id, result.features[b, : lengths[b]])
         finishing = [b for b in range(len(batch)) if last[b]]
         if finishing:
             first_tokens = self._sample(result.logits[finishing, 0], [batch[b] for b in finishing], out)

@@ -196,7 +196,15 @@ class FcfsScheduler(SchedulerInterface):
         for request_id, accepted in runner_output.accepted_len.items():
             if request_id not in self.requests:  # cancelled while the step ran: forgotten already
                 continue
-            self.policy.observe_cycle(request_id, runner_output.num_verified.get(request_id, 0), accepted)
+            verified = runner_output.num_verified.get(request_id, 0)
+            # Against the rows planned, not those verified: a row the confidence cut dropped is a row
+            # the plan paid for that committed nothing, and the forecast of the next plan must see
+            # it (observed against the verified rows only, the forecasts of one request at 0.7 ran
+            # 40% above what its planned steps accepted).
+            planned = scheduler_output.draft_rows.get(request_id, verified)
+            if faults.active("policy.acceptance_against_verified_rows"):
+                planned = verified
+            self.policy.observe_cycle(request_id, max(planned, verified), accepted)
         if runner_output.failed:
             return
         times = runner_output.stage_times
@@ -205,8 +213,10 @@ class FcfsScheduler(SchedulerInterface):
         verified = [runner_output.num_verified[r] for r in scheduler_output.speculative_ids
                     if r in runner_output.num_verified]
         if verified and times.verify > 0:
-            # the target-only requests rode in the verify forward, one row each (model_runner)
-            rows = len(verified) + sum(verified) + len(scheduler_output.target_only_ids)
+            # the target-only requests rode in the verify forward (model_runner), which pads every
+            # request to the longest one's rows
+            batch = len(verified) + len(scheduler_output.target_only_ids)
+            rows = self.policy.costs.verify_rows(batch, max(verified), verified)
             self.policy.costs.observe_speculative(len(verified), rows, times.verify,
                                                   times.draft + times.tail + times.commit)
 

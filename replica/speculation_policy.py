@@ -14,10 +14,10 @@ target step. Both sides are measured, not assumed:
   (new requests start from the engine-wide profile of their kind: greedy and
   sampled requests accept very differently, so each kind has its own).
 
-:class:`SpeculationPolicy.plan` then adds draft rows in order of expected
-gain (row t of request b gains ``P(rows 1..t of b accepted)`` tokens) while
-the step's tokens per second improve, and compares the best plan with a
-target-only step. When target-only wins, a probe step drafts again after a
+:class:`SpeculationPolicy.plan` then picks the plan with the most expected
+tokens per second (row t of request b gains ``P(rows 1..t of b accepted)``
+tokens; the verify forward costs its padded rows, every request of the step
+times the longest one's), and compares it with a target-only step. When target-only wins, a probe step drafts again after a
 while (4 steps, doubling up to 64 while speculation keeps losing; 128 for
 sampled requests, each kind on its own schedule) so a request whose text
 becomes predictable is noticed. The back-off starts over only after
@@ -35,8 +35,8 @@ obeys the same rule; see ``tail.chain_confidence``).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from dspine import faults
 
@@ -111,25 +111,40 @@ class LinearCost:
 
 @dataclass
 class CostModel:
-    """Seconds of a target-only forward (by rows), of a verify forward (by rows) and of the
+    """Seconds of a target-only forward (by rows), of a verify forward (by padded rows) and of the
     speculative overhead (by drafting requests).
 
     The two forwards are separate lines: a verify also runs the verification (probabilities of
     every row when sampling) and keeps each row's features, so its cost per row is well above a
     target-only step's, and a shared line would forget the verify's slope during a stretch of
-    target-only steps (the decay counts observations, and those are mostly target-only)."""
+    target-only steps (the decay counts observations, and those are mostly target-only).
+
+    A verify forward pads every request of the step to the longest one's rows (the riders' one
+    real row included), so its rows are ``batch * (1 + longest draft rows)``, not the rows the
+    requests verify: with 8 requests in flight, two that verify 15 rows each make a forward of
+    128 rows, not 38, and priced at 38 that step looked like it paid when it cost 3.7 target-only
+    steps for 2 steps' tokens."""
 
     # A CPU's forward grows by several percent of its fixed cost per row; a GPU's barely grows.
     target_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
     verify_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
     draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.3))
 
+    @staticmethod
+    def verify_rows(batch: int, longest: int, verified: list[int] | tuple[int, ...] = ()) -> int:
+        """Rows a verify forward of ``batch`` requests computes when the longest verifies ``longest``
+        draft rows (``verified``: every drafting request's rows, read only by the unpadded fault)."""
+        if faults.active("policy.verify_cost_by_unpadded_rows"):
+            drafting = len(verified) if verified else 1
+            return batch + (sum(verified) if verified else drafting * longest)
+        return batch * (1 + longest)
+
     def observe_target_step(self, rows: int, seconds: float) -> None:
         self.target_forward.observe(rows, seconds)
 
     def observe_speculative(self, requests: int, rows: int, forward_seconds: float, overhead_seconds: float) -> None:
-        """A step in which ``requests`` drafted; its one forward carried ``rows`` rows (requests
-        riding along with a single row included)."""
+        """A step in which ``requests`` drafted; its one forward computed ``rows`` rows (see
+        :meth:`verify_rows`: padded, riders included)."""
         self.verify_forward.observe(rows, forward_seconds)
         self.draft_overhead.observe(requests, overhead_seconds)
 
@@ -138,19 +153,20 @@ class CostModel:
         """A speculative step has been measured (a target-only step is bounded by it until measured)."""
         return self.verify_forward.num_observations > 0 and self.draft_overhead.num_observations > 0
 
-    def step_seconds(self, drafting: int, verify_rows: int, target_only: int) -> float:
-        """Predicted seconds of a step in which ``drafting`` requests verify ``verify_rows`` rows in
-        all and ``target_only`` others decode one token: with anyone drafting, the others ride in
-        the same forward (one row each), so a step is one forward either way."""
+    def step_seconds(self, batch: int, drafting: int = 0, longest: int = 0) -> float:
+        """Predicted seconds of a step of ``batch`` requests in which ``drafting`` of them draft, the
+        longest verifying ``longest`` draft rows: with anyone drafting, the others ride in the same
+        forward, so a step is one forward either way."""
         if drafting:
-            return self.draft_overhead.predict(drafting) + self.verify_forward.predict(verify_rows + target_only)
-        if not target_only:
+            return self.draft_overhead.predict(drafting) + self.verify_forward.predict(
+                self.verify_rows(batch, longest))
+        if not batch:
             return 0.0
         if self.target_forward.num_observations == 0:
             # Not measured yet: a verify forward of as many rows costs at least as much (it also
             # verifies), so the first target-only step is chosen only when drafting gains nothing.
-            return self.verify_forward.predict(target_only)
-        return self.target_forward.predict(target_only)
+            return self.verify_forward.predict(batch)
+        return self.target_forward.predict(batch)
 
 
 class AcceptanceProfile:
@@ -299,9 +315,8 @@ class SpeculationPolicy:
         """Accepted draft tokens a step drafting ``rows`` (``batch`` requests in all) must commit to
         beat a target-only step: its predicted seconds at the target-only rate, less the one token
         each request commits anyway."""
-        drafting = len(rows)
-        seconds = self.costs.step_seconds(drafting, drafting + sum(rows.values()), batch - drafting)
-        return seconds * batch / self.costs.step_seconds(0, 0, batch) - batch
+        seconds = self.costs.step_seconds(batch, len(rows), max(rows.values()))
+        return seconds * batch / self.costs.step_seconds(batch) - batch
 
     def _judge_last_drafting_step(self) -> None:
         """Restart the probes' back-off if the last planned drafting step paid."""
@@ -322,40 +337,56 @@ class SpeculationPolicy:
         return plan
 
     def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
-        """Rows in order of gain; the prefix with the most tokens per second, if it beats target-only.
+        """The plan with the most tokens per second, if it beats target-only: for each longest row
+        count T, the requests with the most expected tokens from their first T rows.
 
-        Runs every decode step on the engine's thread, so it costs what the step costs in Python:
-        the cost lines are read once and a candidate prefix's seconds are updated, not recomputed
-        (with 8 requests x 15 rows, the general `CostModel.step_seconds` per prefix took 4% of a
-        CPU target step)."""
-        n = len(candidates)
-        batch = n + num_target_only
-        # Each request's gains fall row by row, so merging the lists yields every row by gain.
-        ranked = heapq.merge(*([(gain, request_id) for gain in self.profile(request_id).gains(max_rows)]
-                               for request_id, max_rows in candidates.items()), key=lambda item: -item[0])
-        tokens = float(batch)  # one token per request whatever the plan
-        best_rate = tokens / self.costs.step_seconds(0, 0, batch)
-        # A step where `d` requests draft `k` rows in all: overhead(d) + verify(batch + k) (the others ride
-        # along one row each), i.e. CostModel.step_seconds(d, d + k, batch - d).
+        A step's verify cost depends only on T and on how many requests draft (every request is padded
+        to T rows), so once T is chosen a drafting request verifies all its rows up to T (they cost
+        nothing more), and of k drafting requests the best are the k with the largest expected
+        accepted tokens over T rows. Runs every decode step on the engine's thread: the cost lines are
+        read once (with 8 requests x 15 rows, calling `CostModel.step_seconds` per candidate took 4% of
+        a CPU target step)."""
+        if faults.active("policy.verify_cost_by_unpadded_rows"):
+            return self._best_rows_by_gain(candidates, num_target_only)
+        batch = len(candidates) + num_target_only
+        best_rate = batch / self.costs.step_seconds(batch)
         overhead_intercept, overhead_slope = self.costs.draft_overhead.coefficients()
         verify_intercept, verify_slope = self.costs.verify_forward.coefficients()
-        fixed = overhead_intercept + verify_intercept + verify_slope * batch
-        best_count = 0
-        drafting: set[str] = set()
-        taken: list[str] = []
+        # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
+        expected = {request_id: list(accumulate(self.profile(request_id).gains(max_rows)))
+                    for request_id, max_rows in candidates.items() if max_rows > 0}
+        best: tuple[int, list[str]] = (0, [])
+        for longest in range(1, max((len(e) for e in expected.values()), default=0) + 1):
+            fixed = overhead_intercept + verify_intercept + verify_slope * batch * (1 + longest)
+            ranked = sorted(((e[min(longest, len(e)) - 1], request_id) for request_id, e in expected.items()),
+                            key=lambda item: (-item[0], item[1]))
+            if batch + sum(gain for gain, _ in ranked) <= best_rate * fixed:
+                continue  # not even every request drafting could beat the best plan so far
+            tokens = float(batch)
+            for count, (gain, _) in enumerate(ranked, start=1):
+                tokens += gain
+                rate = tokens / (fixed + overhead_slope * count)
+                if rate > best_rate:
+                    best_rate, best = rate, (longest, [request_id for _, request_id in ranked[:count]])
+        longest, drafting = best
+        return {request_id: min(longest, candidates[request_id]) for request_id in drafting}
+
+    def _best_rows_by_gain(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
+        """The plan priced by unpadded rows (the fault ``policy.verify_cost_by_unpadded_rows``): rows in
+        order of gain, the prefix with the most tokens per second."""
+        batch = len(candidates) + num_target_only
+        ranked = sorted(((gain, request_id) for request_id, max_rows in candidates.items()
+                         for gain in self.profile(request_id).gains(max_rows)), key=lambda item: -item[0])
+        best_rate, best_count, tokens, drafting = batch / self.costs.step_seconds(batch), 0, float(batch), set()
         for count, (gain, request_id) in enumerate(ranked, start=1):
-            # A row adds `gain` tokens for at least `verify_slope` seconds; once that is below the best
-            # rate, so is every later row (their gains are no larger), and no longer prefix can win.
-            if gain < best_rate * verify_slope:
-                break
             tokens += gain
             drafting.add(request_id)
-            taken.append(request_id)
-            seconds = fixed + overhead_slope * len(drafting) + verify_slope * count
+            seconds = self.costs.draft_overhead.predict(len(drafting)) + self.costs.verify_forward.predict(
+                batch + count)
             if tokens / seconds > best_rate:
                 best_rate, best_count = tokens / seconds, count
         rows: dict[str, int] = {}
-        for request_id in taken[:best_count]:
+        for _, request_id in ranked[:best_count]:
             rows[request_id] = rows.get(request_id, 0) + 1
         return rows
 

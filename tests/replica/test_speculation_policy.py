@@ -6,6 +6,8 @@ runs on whatever this machine measures and the assertions hold for any positive 
 
 from __future__ import annotations
 
+from itertools import accumulate, combinations
+
 import pytest
 import torch
 
@@ -61,7 +63,10 @@ def _policy_with_costs(forward=(0.004, 0.0003), overhead=(0.002, 0.001)) -> Spec
 
 
 def test_a_perfect_profile_verifies_every_row_and_a_useless_one_none():
-    policy = _policy_with_costs()
+    # Each drafting request adds a 3 ms drafter pass. Padded to good's 16 rows anyway, bad's rows
+    # would cost only that pass, for the 1.3 tokens its estimate promises (row 1 accepted 0.1 of
+    # the time, times rows 2-15 that only the engine-wide profile has seen): not worth it.
+    policy = _policy_with_costs(overhead=(0.002, 0.003))
     for _ in range(10):
         policy.observe_cycle("good", ROWS, ROWS)
         policy.observe_cycle("bad", ROWS, 0)
@@ -75,32 +80,31 @@ def test_a_perfect_profile_verifies_every_row_and_a_useless_one_none():
 
 
 def _best_rows_by_brute_force(policy, candidates, num_target_only):
-    """Every prefix of all rows sorted by gain, each priced by CostModel.step_seconds."""
-    ranked = sorted(((gain, r) for r, m in candidates.items() for gain in policy.profile(r).gains(m)),
-                    key=lambda item: -item[0])
+    """Every set of drafting requests with every longest row count T (each drafting request verifies
+    up to T of its rows), each priced by CostModel.step_seconds: the plan with the best rate."""
     n = len(candidates)
-    best_rate = (n + num_target_only) / policy.costs.step_seconds(0, 0, n + num_target_only)
-    best_count, tokens, drafting = 0, float(n + num_target_only), set()
-    for count, (gain, r) in enumerate(ranked, start=1):
-        tokens += gain
-        drafting.add(r)
-        seconds = policy.costs.step_seconds(len(drafting), len(drafting) + count, n - len(drafting) + num_target_only)
-        if tokens / seconds > best_rate:
-            best_rate, best_count = tokens / seconds, count
-    rows = {}
-    for _, r in ranked[:best_count]:
-        rows[r] = rows.get(r, 0) + 1
-    return rows
+    batch = n + num_target_only
+    expected = {r: list(accumulate(policy.profile(r).gains(m))) for r, m in candidates.items()}
+    best_rate, best = batch / policy.costs.step_seconds(batch), {}
+    ids = sorted(r for r, m in candidates.items() if m > 0)
+    for size in range(1, len(ids) + 1):
+        for drafting in combinations(ids, size):
+            for longest in range(1, max(candidates[r] for r in drafting) + 1):
+                tokens = batch + sum(expected[r][min(longest, candidates[r]) - 1] for r in drafting)
+                rate = tokens / policy.costs.step_seconds(batch, size, longest)
+                if rate > best_rate:
+                    best_rate, best = rate, {r: min(longest, candidates[r]) for r in drafting}
+    return best
 
 
 def test_the_fast_plan_is_the_brute_force_plan():
-    """The plan merges per-request rows by gain and stops early; it must pick exactly the rows the
-    brute-force search over every prefix picks (a late-bound request id in the merge, or an early
-    stop that is not exact, changes them)."""
+    """The plan searches only the best requests for each longest row count and skips row counts that
+    cannot win; it must pick exactly the plan the brute-force search over every set of requests and
+    every row count picks (an ordering by the wrong key, or a skip that is not exact, changes it)."""
     g = torch.Generator().manual_seed(0)
-    checked_drafting = 0
+    checked_drafting = checked_partial = 0
     for trial in range(60):
-        row_seconds = [0.00002, 0.0003, 0.002][trial % 3]
+        row_seconds = [0.00002, 0.0001, 0.0003][trial % 3]
         policy = _policy_with_costs(forward=(0.004, row_seconds), overhead=(0.001 * (trial % 4), 0.0005))
         candidates = {}
         for i in range(1 + trial % 8):
@@ -112,7 +116,78 @@ def test_the_fast_plan_is_the_brute_force_plan():
         expected = _best_rows_by_brute_force(policy, candidates, num_target_only)
         assert policy._best_rows(candidates, num_target_only) == expected, trial
         checked_drafting += bool(expected)
-    assert 10 < checked_drafting < 60  # both outcomes were exercised
+        checked_partial += 0 < len(expected) < len(candidates)
+    assert 10 < checked_drafting < 60 and checked_partial > 3  # every outcome was exercised
+
+
+def _padded_machine(policy, intercept=0.004, row_seconds=0.0004, overhead=(0.001, 0.002)) -> None:
+    """Teach the policy the costs of a machine whose verify forward computes every request padded to
+    the longest one's rows, from what a lone request shows it (target-only steps of 1 to 8 requests,
+    verify forwards of one request with 1 to 15 draft rows, drafter passes of 1 to 8 requests)."""
+    for batch in (1, 2, 4, 8):
+        policy.costs.observe_target_step(batch, intercept + row_seconds * batch)
+        for longest in (1, 4, 15):
+            policy.costs.observe_speculative(1, policy.costs.verify_rows(1, longest, [longest]),
+                                             intercept + row_seconds * (1 + longest), overhead[0] + overhead[1])
+        policy.costs.draft_overhead.observe(batch, overhead[0] + overhead[1] * batch)
+
+
+def test_a_plan_pays_for_the_rows_its_forward_pads():
+    """8 requests in flight, two of them accept every row, six never: drafting the two with 15 rows
+    makes a forward of 8 x 16 rows for 30 more tokens, which loses to a target-only step on this
+    machine. Priced by the rows the two verify (38), the plan drafts them anyway."""
+    def chosen_plan_rate() -> tuple[dict[str, int], float]:
+        policy = SpeculationPolicy(ROWS)
+        _padded_machine(policy)
+        for _ in range(20):
+            for r in ("good0", "good1"):
+                policy.observe_cycle(r, ROWS, ROWS)
+            for i in range(6):
+                policy.observe_cycle(f"bad{i}", ROWS, 0)
+        candidates = {r: ROWS for r in ("good0", "good1", *(f"bad{i}" for i in range(6)))}
+        plan = policy.plan(candidates).draft_rows
+        # the rate the step really gets on the padded machine, from the requests' true acceptance
+        longest = max(plan.values(), default=0)
+        seconds = (0.004 + 0.0004 * 8 * (1 + longest) + 0.001 + 0.002 * len(plan)) if plan else 0.004 + 0.0004 * 8
+        tokens = 8 + sum(rows for r, rows in plan.items() if r.startswith("good"))
+        return plan, tokens / seconds
+
+    plan, rate = chosen_plan_rate()
+    target_only_rate = 8 / (0.004 + 0.0004 * 8)
+    assert plan == {} and rate == pytest.approx(target_only_rate)
+    with faults.inject("policy.verify_cost_by_unpadded_rows"):
+        plan, rate = chosen_plan_rate()
+    assert plan == {"good0": ROWS, "good1": ROWS} and rate < 0.8 * target_only_rate
+
+
+def test_with_every_request_accepting_the_padded_plan_drafts_them_all():
+    """When all 8 requests accept well, the rows a long request pads the others to are worth filling:
+    every request drafts the same number of rows."""
+    policy = SpeculationPolicy(ROWS)
+    _padded_machine(policy, row_seconds=0.0001)
+    for _ in range(20):
+        for i in range(8):
+            policy.observe_cycle(f"r{i}", ROWS, 6 + i % 3)
+    plan = policy.plan({f"r{i}": ROWS for i in range(8)}).draft_rows
+    assert len(plan) == 8 and len(set(plan.values())) == 1 and 4 <= next(iter(plan.values())) <= ROWS, plan
+
+
+def test_the_scheduler_reports_the_padded_rows_of_a_verify_forward():
+    """Two requests verify 3 and 9 rows, one rides: the forward computed 3 x 10 rows."""
+    from dspine.replica.scheduler import FcfsScheduler
+    from dspine.replica.types import RunnerOutput, SchedulerOutput, StageTimes
+
+    policy = SpeculationPolicy(ROWS)
+    scheduler = FcfsScheduler(4, policy=policy)
+    seen = []
+    policy.costs.observe_speculative = lambda requests, rows, forward, overhead: seen.append((requests, rows))
+    step = SchedulerOutput([], ["a", "b"], ["c"], [])
+    times = StageTimes(draft=0.001, tail=0.001, verify=0.01, commit=0.001)
+    scheduler._observe(step, RunnerOutput({}, {}, {}, times, num_verified={"a": 3, "b": 9}))
+    assert seen == [(2, 30)]
+    with faults.inject("policy.verify_cost_by_unpadded_rows"):
+        scheduler._observe(step, RunnerOutput({}, {}, {}, times, num_verified={"a": 3, "b": 9}))
+    assert seen[-1] == (2, 15)
 
 
 def test_a_requests_estimates_follow_its_prior_after_it_was_read():
@@ -270,3 +345,26 @@ def test_a_perfect_drafter_gets_every_row_verified(hybrid_target):
         verified = next(iter(step.values()))
         assert verified == min(ROWS, params.max_new_tokens - produced - 1)
         produced += verified + 1
+
+
+def test_rows_the_confidence_cut_dropped_count_against_the_forecast():
+    """Each step plans 8 rows; the confidence cut leaves 2, both accepted. The request's forecast for
+    8 rows must fall to what such a step commits (2 tokens), not stay at 2 plus what the engine-wide
+    profile promises for rows 3-8."""
+    from dspine.replica.scheduler import FcfsScheduler
+    from dspine.replica.types import RunnerOutput, SchedulerOutput, StageTimes
+
+    def forecast_after_cut_cycles() -> float:
+        policy = SpeculationPolicy(ROWS)
+        for _ in range(20):  # the engine has seen requests whose rows 3-8 were accepted
+            policy.observe_cycle("other", 8, 8)
+        scheduler = FcfsScheduler(4, policy=policy)
+        scheduler.requests["a"] = object()  # a live request (only its id is read)
+        step = SchedulerOutput([], ["a"], [], [], draft_rows={"a": 8})
+        for _ in range(30):
+            scheduler._observe(step, RunnerOutput({}, {"a": 2}, {}, StageTimes(), num_verified={"a": 2}))
+        return sum(policy.profile("a").gains(8))
+
+    assert forecast_after_cut_cycles() == pytest.approx(2.0, abs=0.3)
+    with faults.inject("policy.acceptance_against_verified_rows"):
+        assert forecast_after_cut_cycles() > 5.0
