@@ -216,7 +216,7 @@ class FcfsScheduler(SchedulerInterface):
             # the target-only requests rode in the verify forward (model_runner), which pads every
             # request to the longest one's rows
             batch = len(verified) + len(scheduler_output.target_only_ids)
-            rows = self.policy.costs.verify_rows(batch, max(verified), verified)
+            rows = self.policy.costs.verify_rows(batch, verified)
             self.policy.costs.observe_speculative(len(verified), rows, times.verify,
                                                   times.draft + times.tail + times.commit)
 

@@ -17,10 +17,10 @@ target step. Both sides are measured, not assumed:
 :class:`SpeculationPolicy.plan` then picks the plan with the most expected
 tokens per second (row t of request b gains ``P(rows 1..t of b accepted)``
 tokens; the verify forward costs its padded rows, every request of the step
-times the longest one's), and compares it with a target-only step. When target-only wins, a probe step drafts again after a
-while (4 steps, doubling up to 64 while speculation keeps losing; 128 for
-sampled requests, each kind on its own schedule) so a request whose text
-becomes predictable is noticed. The back-off starts over only after
+times the longest one's), and compares it with a target-only step. When
+target-only wins, a probe step drafts again after a while (4 steps, doubling
+up to 64 while speculation keeps losing; 128 for sampled requests, each kind
+on its own schedule) so a request whose text becomes predictable is noticed. The back-off starts over only after
 a planned drafting step that paid: one that committed at least the tokens a
 target-only step would have in its time. A probe's lucky cycle lifts the
 estimates and the next step drafts; if that step does not pay, the probes keep
@@ -35,6 +35,7 @@ obeys the same rule; see ``tail.chain_confidence``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -131,13 +132,12 @@ class CostModel:
     draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.3))
 
     @staticmethod
-    def verify_rows(batch: int, longest: int, verified: list[int] | tuple[int, ...] = ()) -> int:
-        """Rows a verify forward of ``batch`` requests computes when the longest verifies ``longest``
-        draft rows (``verified``: every drafting request's rows, read only by the unpadded fault)."""
+    def verify_rows(batch: int, draft_rows: Sequence[int]) -> int:
+        """Rows a verify forward of ``batch`` requests computes when its drafting requests verify
+        ``draft_rows`` draft rows each (the others ride with one row)."""
         if faults.active("policy.verify_cost_by_unpadded_rows"):
-            drafting = len(verified) if verified else 1
-            return batch + (sum(verified) if verified else drafting * longest)
-        return batch * (1 + longest)
+            return batch + sum(draft_rows)
+        return batch * (1 + max(draft_rows))
 
     def observe_target_step(self, rows: int, seconds: float) -> None:
         self.target_forward.observe(rows, seconds)
@@ -153,13 +153,13 @@ class CostModel:
         """A speculative step has been measured (a target-only step is bounded by it until measured)."""
         return self.verify_forward.num_observations > 0 and self.draft_overhead.num_observations > 0
 
-    def step_seconds(self, batch: int, drafting: int = 0, longest: int = 0) -> float:
-        """Predicted seconds of a step of ``batch`` requests in which ``drafting`` of them draft, the
-        longest verifying ``longest`` draft rows: with anyone drafting, the others ride in the same
-        forward, so a step is one forward either way."""
-        if drafting:
-            return self.draft_overhead.predict(drafting) + self.verify_forward.predict(
-                self.verify_rows(batch, longest))
+    def step_seconds(self, batch: int, draft_rows: Sequence[int] = ()) -> float:
+        """Predicted seconds of a step of ``batch`` requests in which some draft, ``draft_rows`` rows
+        each: with anyone drafting, the others ride in the same forward, so a step is one forward
+        either way."""
+        if draft_rows:
+            return self.draft_overhead.predict(len(draft_rows)) + self.verify_forward.predict(
+                self.verify_rows(batch, draft_rows))
         if not batch:
             return 0.0
         if self.target_forward.num_observations == 0:
@@ -315,7 +315,7 @@ class SpeculationPolicy:
         """Accepted draft tokens a step drafting ``rows`` (``batch`` requests in all) must commit to
         beat a target-only step: its predicted seconds at the target-only rate, less the one token
         each request commits anyway."""
-        seconds = self.costs.step_seconds(batch, len(rows), max(rows.values()))
+        seconds = self.costs.step_seconds(batch, list(rows.values()))
         return seconds * batch / self.costs.step_seconds(batch) - batch
 
     def _judge_last_drafting_step(self) -> None:

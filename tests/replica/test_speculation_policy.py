@@ -91,7 +91,7 @@ def _best_rows_by_brute_force(policy, candidates, num_target_only):
         for drafting in combinations(ids, size):
             for longest in range(1, max(candidates[r] for r in drafting) + 1):
                 tokens = batch + sum(expected[r][min(longest, candidates[r]) - 1] for r in drafting)
-                rate = tokens / policy.costs.step_seconds(batch, size, longest)
+                rate = tokens / policy.costs.step_seconds(batch, [min(longest, candidates[r]) for r in drafting])
                 if rate > best_rate:
                     best_rate, best = rate, {r: min(longest, candidates[r]) for r in drafting}
     return best
@@ -127,7 +127,7 @@ def _padded_machine(policy, intercept=0.004, row_seconds=0.0004, overhead=(0.001
     for batch in (1, 2, 4, 8):
         policy.costs.observe_target_step(batch, intercept + row_seconds * batch)
         for longest in (1, 4, 15):
-            policy.costs.observe_speculative(1, policy.costs.verify_rows(1, longest, [longest]),
+            policy.costs.observe_speculative(1, policy.costs.verify_rows(1, [longest]),
                                              intercept + row_seconds * (1 + longest), overhead[0] + overhead[1])
         policy.costs.draft_overhead.observe(batch, overhead[0] + overhead[1] * batch)
 
