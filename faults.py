@@ -70,6 +70,9 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_a_drafting_step_that_did_not_pay_keeps_the_probes_backing_off
     "policy.probe_interval_reset_by_any_draft": "the probes' back-off starts over after every planned drafting "
                                                 "step, whether it paid or not",
+    # tests/replica/test_short_blocks.py::test_a_cycle_drafts_only_the_rows_its_plan_verifies
+    "runner.whole_block_drafted": "the drafter and the tail run the whole block in every cycle, whatever the "
+                                  "rows the step's plan verifies",
     # tests/replica/test_draft_context.py::test_a_request_that_never_drafts_never_runs_the_drafter
     "runner.context_appended_at_once": "a speculative request's committed positions (its prompt's, and those "
                                        "of its target-only steps) go to its draft context at once, one "

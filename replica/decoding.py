@@ -77,9 +77,11 @@ def gumbel_verify_targets(target_probs: torch.Tensor, logits: torch.Tensor, batc
     return target_probs, mask
 
 
-def propose(draft_out, tables, anchors: torch.Tensor, batch: Sequence[Request], generators, with_confidence: bool):
+def propose(draft_out, tables, anchors: torch.Tensor, batch: Sequence[Request], generators, with_confidence: bool,
+            num_coins: int | None = None):
     """:func:`tail.propose` for a batch holding Gumbel-mode requests: the same candidates and
-    conditional tables, the ordinary chain for the others, :func:`gumbel_proposal` for them."""
+    conditional tables, the ordinary chain for the others, :func:`gumbel_proposal` for them
+    (``num_coins`` as for :func:`tail.propose`)."""
     from . import tail
 
     hidden = draft_out.hidden
@@ -90,7 +92,7 @@ def propose(draft_out, tables, anchors: torch.Tensor, batch: Sequence[Request], 
     cand_ids, _ = tail.retrieve_candidates(hidden[:, 1:].reshape(nb * (bs - 1), h), tables)
     cand_ids = cand_ids.view(nb, bs - 1, -1)
     scores = tail.conditional_tables(draft_out, tables, anchors.to(dev), cand_ids)
-    uniforms = tail.draw_chain_uniforms(generators, temperature, bs - 1, dev)
+    uniforms = tail.draw_chain_uniforms(generators, temperature, max(bs - 1, num_coins or 0), dev)[:, : bs - 1]
     draft_ids, choice, q = tail.tail_chain(scores, cand_ids, temperature, top_k, top_p, uniforms)
     proposal = gumbel_proposal(tail.Proposal(draft_ids, q, cand_ids, choice), scores, batch)
     if with_confidence:

@@ -20,6 +20,9 @@ Lines (the 27B reference pair, BF16, 8 requests x 8,192 positions, in words):
 - draft pool: the draft KV pool's slots (dense: every position of every request; ring: the
   window), 20,480 B per slot at 27B;
 - tail tables, codebook, retrieval copy of the head (FP8 on CUDA);
+- kept draft features: the target features a speculative request keeps until it next drafts
+  (its prompt's, its target-only steps'), at most 256 positions (or the window) per request:
+  5 taps x 5,120 x 2 B x 256 = 12.5 MiB per request at 27B;
 - activation peak: the largest of a verify step (``max_concurrency x verify_rows`` rows) and a
   prefill chunk (``prefill_chunk_tokens`` rows, logits for one row per request), each estimated as
   the largest live set of one layer plus the residual stream, the feature taps and the logits.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 from .models.dspine_config import GiB, MiB, DraftArgs, memory_report
 from .models.target_config import TargetArgs
+from .runner_draft_context import MAX_DEFERRED_POSITIONS
 from .types import RetrievalMode
 
 
@@ -250,6 +254,15 @@ def plan_memory(target: TargetArgs, drafter: DraftArgs | None, config: PlanConfi
                                                                  - report.codebook_bytes)
             lines.append(PlanLine("sampled drafter", second, "weights + tail tables + codebook of the second "
                                                              "drafter; draft pool and retrieval head copy shared"))
+
+    if drafter is not None:
+        # a speculative request's committed features wait for its next drafting step (the prompt's
+        # and those of its target-only steps), up to a bound (runner_draft_context)
+        kept = min(MAX_DEFERRED_POSITIONS, drafter.window)
+        per_position = drafter.num_features * target.hidden_size * c.dtype_bytes
+        lines.append(PlanLine("kept draft features", kept * per_position * c.max_concurrency,
+                              f"{drafter.num_features} taps x {target.hidden_size:,} = {per_position:,} B/position "
+                              f"x {kept} positions x {c.max_concurrency}"))
 
     num_taps = drafter.num_features if drafter is not None else 0
     verify_rows = c.max_concurrency * (c.verify_rows if drafter is not None else 1)

@@ -46,12 +46,15 @@ class RunnerDrafters:
             greedy, sampled = sampled, greedy
         return ordered, [(greedy, slice(0, num_greedy)), (sampled, slice(num_greedy, len(names)))]
 
-    def _draft_groups(self, groups: list[DrafterGroup], request_ids: list[str], anchors: torch.Tensor) -> list:
-        """One draft forward per group (``anchors [NB]`` in group order): the groups' DraftOuts."""
+    def _draft_groups(self, groups: list[DrafterGroup], request_ids: list[str], anchors: torch.Tensor,
+                      num_rows: int | None = None) -> list:
+        """One draft forward per group (``anchors [NB]`` in group order) of ``num_rows`` block rows
+        each (None: the whole block): the groups' DraftOuts."""
         # anchors: [NB] int64
         if len(groups) == 1:
-            return [groups[0][0].model.draft(self.draft_pool, request_ids, anchors)]
-        return [drafter.model.draft(self.draft_pool, request_ids[rows], anchors[rows]) for drafter, rows in groups]
+            return [groups[0][0].model.draft(self.draft_pool, request_ids, anchors, num_rows=num_rows)]
+        return [drafter.model.draft(self.draft_pool, request_ids[rows], anchors[rows], num_rows=num_rows)
+                for drafter, rows in groups]
 
     def _propose_groups(self, groups: list[DrafterGroup], draft_outs: list, request_ids, requests, anchors,
                         params, generators):

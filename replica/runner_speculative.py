@@ -39,7 +39,8 @@ class RunnerSpeculative:
         with self._timed(out, "draft", request_ids):
             self._fault("draft", request_ids)
             self._flush_context(request_ids)
-            draft_outs = self._draft_groups(groups, request_ids, anchors)
+            out.block_rows = self._block_rows(request_ids)
+            draft_outs = self._draft_groups(groups, request_ids, anchors, out.block_rows)
         with self._timed(out, "tail", request_ids):
             self._fault("tail", request_ids)
             proposal = self._propose_groups(groups, draft_outs, request_ids, requests, anchors, params, generators)
@@ -90,18 +91,30 @@ class RunnerSpeculative:
             out.new_token_ids[request.request_id] = [token]
 
 
+    def _block_rows(self, request_ids: list[str]) -> int:
+        """Rows of this cycle's draft block: the anchor and the most draft rows the plan verifies for
+        any of its requests (a request the plan does not name, or no plan: the whole block). The
+        rows past them would be drafted and never verified."""
+        block = self.drafter.args.block_size
+        if faults.active("runner.whole_block_drafted") or not self._draft_rows:
+            return block
+        return min(block, 1 + max(max(1, self._draft_rows.get(r, block - 1)) for r in request_ids))
+
     def propose(self, request_ids, requests, draft_out, anchors, params, generators, tail_tables=None):
         """The tail's proposal for the batch (``tail_tables``: the drafter's that drafted it; None: the
         greedy drafter's); tests replace this to force acceptance patterns."""
         from . import tail
 
         tables = self.tail_tables if tail_tables is None else tail_tables
+        # a short block draws a whole block's coins too: a request's random stream never depends on the plan
+        num_coins = self.drafter.args.block_size - 1
         if any(p.is_gumbel for p in params):  # seed-reproducible requests propose with the target's noise
             return decoding.propose(draft_out, tables, anchors, [requests[r] for r in request_ids],
-                                    generators, with_confidence=self.config.verify_threshold > 0)
+                                    generators, with_confidence=self.config.verify_threshold > 0,
+                                    num_coins=num_coins)
         temperature, top_k, top_p = sampling.batch_params(params, device=self.device)
         return tail.propose(draft_out, tables, anchors, temperature, top_k, top_p, generators,
-                            with_confidence=self.config.verify_threshold > 0)
+                            with_confidence=self.config.verify_threshold > 0, num_coins=num_coins)
 
     def _verify_lengths(self, proposal, request_ids: list[str]) -> torch.Tensor:
         """[NB] int64: draft rows each request verifies: the step's plan, cut further by the
@@ -149,8 +162,10 @@ class RunnerSpeculative:
         greedy = greedy | gumbel_rows
         # A fixed number of coins per request per cycle keeps each request's random stream
         # independent of acceptance and of its neighbours.
-        coins = sampling.draw_uniforms(generators, num_slots + 1, device=self.device)  # [NB, BS]
+        # (The whole block's worth, however few rows this cycle drafted.)
+        num_coins = max(num_slots, self.drafter.args.block_size - 1)
+        coins = sampling.draw_uniforms(generators, num_coins + 1, device=self.device)  # [NB, BS]
         return verify.verify_sampled(
-            draft_ids, proposal.q[:, :verified], target_probs, coins[:, :verified], coins[:, num_slots],
+            draft_ids, proposal.q[:, :verified], target_probs, coins[:, :verified], coins[:, num_coins],
             draft_q_ids=proposal.cand_ids[:, :verified], greedy=greedy, num_verified=ragged,
         )

@@ -217,7 +217,8 @@ class FcfsScheduler(SchedulerInterface):
             # request to the longest one's rows
             batch = len(verified) + len(scheduler_output.target_only_ids)
             rows = self.policy.costs.verify_rows(batch, verified)
-            self.policy.costs.observe_speculative(len(verified), rows, times.verify,
+            # the drafter and the tail ran every drafting request over the step's block rows
+            self.policy.costs.observe_speculative(len(verified) * runner_output.block_rows, rows, times.verify,
                                                   times.draft + times.tail + times.commit)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestEvent]:

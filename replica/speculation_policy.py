@@ -129,7 +129,9 @@ class CostModel:
     # A CPU's forward grows by several percent of its fixed cost per row; a GPU's barely grows.
     target_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
     verify_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
-    draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.3))
+    # by drafted rows (requests x block rows): the drafter and the tail run only the rows a plan
+    # verifies, and on a CPU a row costs a few percent of the passes' fixed cost
+    draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
 
     @staticmethod
     def verify_rows(batch: int, draft_rows: Sequence[int]) -> int:
@@ -139,14 +141,22 @@ class CostModel:
             return batch + sum(draft_rows)
         return batch * (1 + max(draft_rows))
 
+    @staticmethod
+    def drafted_rows(draft_rows: Sequence[int]) -> int:
+        """Rows the drafter and the tail compute when requests verify ``draft_rows`` draft rows each:
+        every drafting request's block is cut to the anchor and the longest one's rows."""
+        return len(draft_rows) * (1 + max(draft_rows))
+
     def observe_target_step(self, rows: int, seconds: float) -> None:
         self.target_forward.observe(rows, seconds)
 
-    def observe_speculative(self, requests: int, rows: int, forward_seconds: float, overhead_seconds: float) -> None:
-        """A step in which ``requests`` drafted; its one forward computed ``rows`` rows (see
-        :meth:`verify_rows`: padded, riders included)."""
+    def observe_speculative(self, drafted_rows: int, rows: int, forward_seconds: float,
+                            overhead_seconds: float) -> None:
+        """A step whose drafter and tail computed ``drafted_rows`` rows (see :meth:`drafted_rows`)
+        and whose one forward computed ``rows`` rows (see :meth:`verify_rows`: padded, riders
+        included)."""
         self.verify_forward.observe(rows, forward_seconds)
-        self.draft_overhead.observe(requests, overhead_seconds)
+        self.draft_overhead.observe(drafted_rows, overhead_seconds)
 
     @property
     def ready(self) -> bool:
@@ -158,7 +168,7 @@ class CostModel:
         each: with anyone drafting, the others ride in the same forward, so a step is one forward
         either way."""
         if draft_rows:
-            return self.draft_overhead.predict(len(draft_rows)) + self.verify_forward.predict(
+            return self.draft_overhead.predict(self.drafted_rows(draft_rows)) + self.verify_forward.predict(
                 self.verify_rows(batch, draft_rows))
         if not batch:
             return 0.0
@@ -365,7 +375,7 @@ class SpeculationPolicy:
             tokens = float(batch)
             for count, (gain, _) in enumerate(ranked, start=1):
                 tokens += gain
-                rate = tokens / (fixed + overhead_slope * count)
+                rate = tokens / (fixed + overhead_slope * count * (1 + longest))  # CostModel.drafted_rows
                 if rate > best_rate:
                     best_rate, best = rate, (longest, [request_id for _, request_id in ranked[:count]])
         longest, drafting = best
@@ -381,7 +391,7 @@ class SpeculationPolicy:
         for count, (gain, request_id) in enumerate(ranked, start=1):
             tokens += gain
             drafting.add(request_id)
-            seconds = self.costs.draft_overhead.predict(len(drafting)) + self.costs.verify_forward.predict(
+            seconds = self.costs.draft_overhead.predict(len(drafting) + count) + self.costs.verify_forward.predict(
                 batch + count)
             if tokens / seconds > best_rate:
                 best_rate, best_count = tokens / seconds, count

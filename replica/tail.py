@@ -189,7 +189,7 @@ def draw_chain_uniforms(generators: Sequence[torch.Generator | None] | None, tem
 def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature: torch.Tensor,
             top_k: torch.Tensor, top_p: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None,
             *, uniforms: torch.Tensor | None = None, retrieval: RetrievalMode | str | None = None,
-            with_confidence: bool = True) -> Proposal:
+            with_confidence: bool = True, num_coins: int | None = None) -> Proposal:
     """Run the tail for NB blocks.
 
     ``draft_out``: anything with ``hidden [NB, BS, H]`` (final-normed), ``x_last
@@ -201,6 +201,8 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
     the default RNG). ``uniforms [NB, BS-1]`` overrides the generators (tests,
     or an engine that pre-draws all coins of a cycle). ``with_confidence=False`` skips
     ``chain_confidence`` (an engine that verifies whole blocks never reads it).
+    ``num_coins`` (>= BS-1) coins are drawn per sampled block and the first BS-1 used: a block
+    shorter than the drafter's consumes a whole block's coins from its generator all the same.
     """
     hidden = draft_out.hidden
     nb, bs, h = hidden.shape
@@ -212,7 +214,7 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
     scores = conditional_tables(draft_out, tables, anchor_ids.to(dev), cand_ids)
     temperature = temperature.to(device=dev, dtype=torch.float64)
     if uniforms is None:
-        uniforms = draw_chain_uniforms(generators, temperature, bs - 1, dev)
+        uniforms = draw_chain_uniforms(generators, temperature, max(bs - 1, num_coins or 0), dev)[:, : bs - 1]
     draft_ids, choice, q = tail_chain(scores, cand_ids, temperature, top_k.to(device=dev, dtype=torch.int64),
                                       top_p.to(device=dev, dtype=torch.float64), uniforms.to(dev))
     confidence = chain_confidence(scores, choice) if with_confidence else None

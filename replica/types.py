@@ -105,6 +105,7 @@ class RunnerOutput:
     stage_times: StageTimes  # of the whole step
     draft_pool_used: int = 0  # slots in use after the step
     num_verified: dict[str, int] = field(default_factory=dict)  # per speculative request: draft tokens verified
+    block_rows: int = 0  # rows of the step's draft block (anchor included; 0: nobody drafted)
     stage_intervals: list["StageInterval"] = field(default_factory=list)  # every stage run, in order
     # Speculative requests the draft pool could not extend (only under admission_reservation
     # "prompt"): their draft slots are freed and they decode target-only from now on.

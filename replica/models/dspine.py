@@ -264,9 +264,10 @@ class DSpineDrafter(nn.Module):
             pool.kv[i, 1, slots] = v.to(pool.dtype)
 
     # ------------------------------------------------------------------ block
-    def block_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """[NB, BS, H]: row 0 the target's embedding of the anchor, rows 1.. the placeholder."""
-        NB, BS = anchor_ids.shape[0], self.args.block_size
+    def block_inputs(self, anchor_ids: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        """[NB, BS, H]: row 0 the target's embedding of the anchor, rows 1.. the placeholder;
+        ``num_rows`` (default the block size) rows."""
+        NB, BS = anchor_ids.shape[0], self.args.block_size if num_rows is None else num_rows
         x = self.mask_embedding.expand(NB, BS, -1).clone()
         x[:, 0] = self.embed_tokens(anchor_ids).to(x.dtype)
         return x
@@ -287,13 +288,19 @@ class DSpineDrafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, pool, request_ids: Sequence[Hashable], anchor_ids: torch.Tensor,
-              compute_logits: bool = False) -> DraftOut:
+              compute_logits: bool = False, num_rows: int | None = None) -> DraftOut:
         """One draft block per request. anchor_ids [NB] int64: the last committed token of each request,
-        which sits at position pool.num_positions(request) (its features are not in the pool yet)."""
+        which sits at position pool.num_positions(request) (its features are not in the pool yet).
+
+        ``num_rows`` (2 .. block size; default the whole block) drafts only the block's first rows:
+        attention inside the block is causal and every other op is per row, so they equal the
+        whole block's first rows, and a step that verifies few rows does not pay for the rest."""
         if anchor_ids.shape != (len(request_ids),):
             raise ValueError(f"anchor_ids shape {tuple(anchor_ids.shape)} != ({len(request_ids)},)")
+        if num_rows is not None and not 2 <= num_rows <= self.args.block_size:
+            raise ValueError(f"num_rows: expected 2 .. {self.args.block_size}, got {num_rows}")
         anchor_ids = anchor_ids.to(self.mask_embedding.device)
-        out = self.forward_block(pool, request_ids, anchor_ids, self.block_inputs(anchor_ids))
+        out = self.forward_block(pool, request_ids, anchor_ids, self.block_inputs(anchor_ids, num_rows))
         if compute_logits:
             out.logits = self.logits(out.hidden)
         return out

@@ -62,8 +62,11 @@ def cluster(tmp_path_factory, tokenizer_dir, otlp):
         # Adaptive speculation off: the ingress test counts speculative cycles, which the policy would
         # make depend on this machine's step timings.
         common = {"engine": {"device": "cpu", "dtype": "float32", "adaptive_speculation": False}}
+        # A long drain: the redeploy test's streams must finish on the old replicas (and the old
+        # ingress) even on a slow, loaded machine (with 30 s, 2 cores under load killed the ingress).
         cluster.deploy(cluster.config(app_name=MAIN, replicas={"num_replicas": 2, "max_queued_requests": 16,
-                                                               "health_check_period_s": 1.0}, **common))
+                                                               "health_check_period_s": 1.0,
+                                                               "graceful_shutdown_timeout_s": 180.0}, **common))
         cluster.deploy(cluster.config(app_name=SMALL, engine={"device": "cpu", "dtype": "float32",
                                                               "max_concurrency": 2},
                                       replicas={"num_replicas": 1, "max_queued_requests": 2}))
@@ -462,7 +465,8 @@ def test_redeploy_drains_in_flight_streams(cluster, reference_engine):
             watcher = asyncio.create_task(asyncio.to_thread(_first_stopping_time, 120))
             await asyncio.to_thread(cluster.deploy, cluster.config(
                 app_name=MAIN, engine={"device": "cpu", "dtype": "float32"},
-                replicas={"num_replicas": 1, "max_queued_requests": 16, "health_check_period_s": 1.0}))
+                replicas={"num_replicas": 1, "max_queued_requests": 16, "health_check_period_s": 1.0,
+                          "graceful_shutdown_timeout_s": 180.0}))
             return await asyncio.gather(*tasks), await watcher
 
     results, stopping_since = asyncio.run(run())

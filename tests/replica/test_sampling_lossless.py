@@ -91,8 +91,8 @@ def _cost_like_a_gpu(costs) -> None:
     rows from its acceptance profile, so the case has the same power on any machine (on this CPU
     the measured costs made it decode target-only on most steps: 58 to 1,080 cycles per run)."""
     costs.observe_target_step = lambda rows, seconds: costs.target_forward.observe(rows, 4e-3 + 1e-5 * rows)
-    costs.observe_speculative = lambda requests, rows, forward, overhead: (
-        costs.verify_forward.observe(rows, 4.2e-3 + 1e-5 * rows), costs.draft_overhead.observe(requests, 1e-3))
+    costs.observe_speculative = lambda drafted, rows, forward, overhead: (
+        costs.verify_forward.observe(rows, 4.2e-3 + 1e-5 * rows), costs.draft_overhead.observe(drafted, 1e-3))
 
 
 def run_case(case: Case) -> Run:

@@ -54,11 +54,13 @@ def test_acceptance_profile_learns_per_row_and_shares_a_prior():
 
 
 def _policy_with_costs(forward=(0.004, 0.0003), overhead=(0.002, 0.001)) -> SpeculationPolicy:
+    """``overhead``: (intercept, seconds per request drafting a whole block), a line in drafted rows."""
     policy = SpeculationPolicy(ROWS)
     for rows in (1, 8, 16, 30):
         policy.costs.target_forward.observe(rows, forward[0] + forward[1] * rows)
         policy.costs.verify_forward.observe(rows, forward[0] + forward[1] * rows)
-        policy.costs.draft_overhead.observe(rows % 8 + 1, overhead[0] + overhead[1] * (rows % 8 + 1))
+        requests = rows % 8 + 1
+        policy.costs.draft_overhead.observe(requests * (ROWS + 1), overhead[0] + overhead[1] * requests)
     return policy
 
 
@@ -105,7 +107,7 @@ def test_the_fast_plan_is_the_brute_force_plan():
     checked_drafting = checked_partial = 0
     for trial in range(60):
         row_seconds = [0.00002, 0.0001, 0.0003][trial % 3]
-        policy = _policy_with_costs(forward=(0.004, row_seconds), overhead=(0.001 * (trial % 4), 0.0005))
+        policy = _policy_with_costs(forward=(0.004, row_seconds), overhead=(0.001 * (trial % 4), 0.004))
         candidates = {}
         for i in range(1 + trial % 8):
             accepted = torch.randint(0, ROWS + 1, (12,), generator=g).tolist()
@@ -123,13 +125,16 @@ def test_the_fast_plan_is_the_brute_force_plan():
 def _padded_machine(policy, intercept=0.004, row_seconds=0.0004, overhead=(0.001, 0.002)) -> None:
     """Teach the policy the costs of a machine whose verify forward computes every request padded to
     the longest one's rows, from what a lone request shows it (target-only steps of 1 to 8 requests,
-    verify forwards of one request with 1 to 15 draft rows, drafter passes of 1 to 8 requests)."""
+    verify forwards of one request with 1 to 15 draft rows, drafter passes of 1 to 8 requests).
+    ``overhead``: (intercept, seconds per request drafting a whole block), a line in drafted rows."""
+    per_row = overhead[1] / (ROWS + 1)
     for batch in (1, 2, 4, 8):
         policy.costs.observe_target_step(batch, intercept + row_seconds * batch)
         for longest in (1, 4, 15):
-            policy.costs.observe_speculative(1, policy.costs.verify_rows(1, [longest]),
-                                             intercept + row_seconds * (1 + longest), overhead[0] + overhead[1])
-        policy.costs.draft_overhead.observe(batch, overhead[0] + overhead[1] * batch)
+            policy.costs.observe_speculative(1 + longest, policy.costs.verify_rows(1, [longest]),
+                                             intercept + row_seconds * (1 + longest),
+                                             overhead[0] + per_row * (1 + longest))
+        policy.costs.draft_overhead.observe(batch * (ROWS + 1), overhead[0] + overhead[1] * batch)
 
 
 def test_a_plan_pays_for_the_rows_its_forward_pads():
@@ -173,21 +178,22 @@ def test_with_every_request_accepting_the_padded_plan_drafts_them_all():
 
 
 def test_the_scheduler_reports_the_padded_rows_of_a_verify_forward():
-    """Two requests verify 3 and 9 rows, one rides: the forward computed 3 x 10 rows."""
+    """Two requests verify 3 and 9 rows, one rides: the forward computed 3 x 10 rows, the drafter
+    2 x 10."""
     from dspine.replica.scheduler import FcfsScheduler
     from dspine.replica.types import RunnerOutput, SchedulerOutput, StageTimes
 
     policy = SpeculationPolicy(ROWS)
     scheduler = FcfsScheduler(4, policy=policy)
     seen = []
-    policy.costs.observe_speculative = lambda requests, rows, forward, overhead: seen.append((requests, rows))
+    policy.costs.observe_speculative = lambda drafted, rows, forward, overhead: seen.append((drafted, rows))
     step = SchedulerOutput([], ["a", "b"], ["c"], [])
     times = StageTimes(draft=0.001, tail=0.001, verify=0.01, commit=0.001)
-    scheduler._observe(step, RunnerOutput({}, {}, {}, times, num_verified={"a": 3, "b": 9}))
-    assert seen == [(2, 30)]
+    scheduler._observe(step, RunnerOutput({}, {}, {}, times, num_verified={"a": 3, "b": 9}, block_rows=10))
+    assert seen == [(20, 30)]  # the drafter ran both over a 10-row block
     with faults.inject("policy.verify_cost_by_unpadded_rows"):
-        scheduler._observe(step, RunnerOutput({}, {}, {}, times, num_verified={"a": 3, "b": 9}))
-    assert seen[-1] == (2, 15)
+        scheduler._observe(step, RunnerOutput({}, {}, {}, times, num_verified={"a": 3, "b": 9}, block_rows=10))
+    assert seen[-1] == (20, 15)
 
 
 def test_a_requests_estimates_follow_its_prior_after_it_was_read():
