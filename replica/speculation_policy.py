@@ -6,9 +6,10 @@ target step. Both sides are measured, not assumed:
 
 * :class:`CostModel` learns, online and on the machine it runs on, the target
   forward's seconds as a line in the rows it carries (a target-only step over
-  B requests is B rows; a verify is one row per request plus its verified draft
-  rows) and the draft + tail + commit overhead as a line in the requests that
-  drafted. Observations decay, so the model follows a machine whose speed drifts.
+  B requests is B rows; a verify pads every request to the longest one's rows)
+  and the draft + tail + commit overhead as a line in the rows drafted (each
+  drafting request's block is the anchor plus the longest plan's rows).
+  Observations decay, so the model follows a machine whose speed drifts.
 * :class:`AcceptanceProfile` keeps, per request, the decayed probability that
   row t is accepted given rows 1..t-1 were, from that request's past cycles
   (new requests start from the engine-wide profile of their kind: greedy and
