@@ -95,12 +95,12 @@ EDGE_FAULTS: dict[str, str] = {
     # tests/replica/test_tokenizer_gil.py::test_encoding_a_long_text_lets_other_threads_run
     "tokenizer.encode_holds_gil": "Tokenizer.encode calls tokenizers' plain encode, which holds the GIL for the "
                                   "whole call (a long text stalls the event loop and the engine thread)",
-    # tests/cluster/test_edge_executors.py::test_a_full_engine_refuses_while_a_step_holds_the_engine
     # tests/cluster/test_registration.py::test_a_stream_cancelled_during_a_write_is_cancelled_inside_an_await
     "registration.stream_closed_at_yield": "server streams written as async generators are registered as they "
                                            "are: a call cancelled while gRPC writes a message leaves the "
                                            "generator at its yield (Ray Serve's proxy then never cancels "
                                            "the replica's call)",
+    # tests/cluster/test_edge_executors.py::test_a_full_engine_refuses_while_a_step_holds_the_engine
     "servicer.admission_waits_for_engine": "a full engine's refusal is found only by engine.add_request (after an "
                                            "executor thread and the engine lock), not by the lock-free load check",
 }

@@ -37,7 +37,7 @@ __all__ = ["SERVICE_NAME", "add_to_server", "cancel_at_an_await"]
 
 logger = logging.getLogger(__name__)
 
-# A handler resumed after its call ended reaches its next await in one step; a few tries cover
+# A handler resumed after its write failed reaches its next await in one step; a few tries cover
 # messages that were already waiting.
 _CANCEL_TRIES = 4
 

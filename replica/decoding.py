@@ -92,7 +92,7 @@ def propose(draft_out, tables, anchors: torch.Tensor, batch: Sequence[Request], 
     cand_ids, _ = tail.retrieve_candidates(hidden[:, 1:].reshape(nb * (bs - 1), h), tables)
     cand_ids = cand_ids.view(nb, bs - 1, -1)
     scores = tail.conditional_tables(draft_out, tables, anchors.to(dev), cand_ids)
-    uniforms = tail.draw_chain_uniforms(generators, temperature, max(bs - 1, num_coins or 0), dev)[:, : bs - 1]
+    uniforms = tail.draw_chain_uniforms(generators, temperature, bs - 1, dev, num_coins)
     draft_ids, choice, q = tail.tail_chain(scores, cand_ids, temperature, top_k, top_p, uniforms)
     proposal = gumbel_proposal(tail.Proposal(draft_ids, q, cand_ids, choice), scores, batch)
     if with_confidence:

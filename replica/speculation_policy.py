@@ -114,7 +114,7 @@ class LinearCost:
 @dataclass
 class CostModel:
     """Seconds of a target-only forward (by rows), of a verify forward (by padded rows) and of the
-    speculative overhead (by drafting requests).
+    speculative overhead (by drafted rows).
 
     The two forwards are separate lines: a verify also runs the verification (probabilities of
     every row when sampling) and keeps each row's features, so its cost per row is well above a

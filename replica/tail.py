@@ -164,12 +164,15 @@ def conditional_tables(draft_out, tables: TailTables, anchor_ids: torch.Tensor, 
 
 
 def draw_chain_uniforms(generators: Sequence[torch.Generator | None] | None, temperature: torch.Tensor, n: int,
-                        device) -> torch.Tensor:
+                        device, num_coins: int | None = None) -> torch.Tensor:
     """``[NB, n]`` float64 coins: row b from ``generators[b]`` for sampled requests, zeros for greedy ones.
 
     Greedy requests consume nothing from their generator; a ``None`` generator
-    (or ``generators=None``) uses torch's default generator.
+    (or ``generators=None``) uses torch's default generator. ``num_coins`` (>= n) coins are drawn
+    per sampled row and the first n returned: a short block consumes a whole block's coins.
     """
+    if num_coins is not None and num_coins > n:
+        return draw_chain_uniforms(generators, temperature, num_coins, device)[:, :n]
     temps = temperature.tolist()
     gens = list(generators) if generators is not None else [None] * len(temps)
     if len(gens) != len(temps):
@@ -214,7 +217,7 @@ def propose(draft_out, tables: TailTables, anchor_ids: torch.Tensor, temperature
     scores = conditional_tables(draft_out, tables, anchor_ids.to(dev), cand_ids)
     temperature = temperature.to(device=dev, dtype=torch.float64)
     if uniforms is None:
-        uniforms = draw_chain_uniforms(generators, temperature, max(bs - 1, num_coins or 0), dev)[:, : bs - 1]
+        uniforms = draw_chain_uniforms(generators, temperature, bs - 1, dev, num_coins)
     draft_ids, choice, q = tail_chain(scores, cand_ids, temperature, top_k.to(device=dev, dtype=torch.int64),
                                       top_p.to(device=dev, dtype=torch.float64), uniforms.to(dev))
     confidence = chain_confidence(scores, choice) if with_confidence else None
