@@ -81,6 +81,22 @@ ENGINE_FAULTS: dict[str, str] = {
     "policy.acceptance_against_verified_rows": "a cycle's acceptance is observed against the rows it verified, "
                                                "not the rows its plan drafted (rows the confidence cut dropped "
                                                "never count against the forecast)",
+    # tests/replica/test_speculation_policy.py::test_planned_cycles_that_accept_less_than_forecast_lower_the_forecasts
+    "policy.forecast_uncalibrated": "a plan takes the requests' estimates at face value, though its drafting "
+                                    "requests are those whose estimates are highest just then (the cycles of "
+                                    "planned steps accept less than forecast)",
+    # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
+    "policy.riders_always_ride": "a step's target-only requests always ride in its verify forward, padded to "
+                                 "the longest drafting request's rows, however few draft",
+    # tests/replica/test_riders_apart.py::test_riders_apart_run_their_own_forward_and_decode_the_same_text
+    "runner.riders_apart_ignored": "the runner ignores a plan's riders_apart and rides them in the verify "
+                                   "forward the plan priced without them",
+    # tests/replica/test_speculation_policy.py::test_a_run_of_accepted_blocks_is_drafted_in_whole_blocks
+    "policy.acceptance_without_runs": "a request has one acceptance profile, whatever its last cycle accepted "
+                                      "(a run's next block is forecast at the request's mean)",
+    # tests/replica/test_speculation_policy.py::test_a_noisy_target_step_time_does_not_pick_the_drafting_steps
+    "policy.target_cost_fast_decay": "the target-only cost line forgets as fast as the drafting lines (about "
+                                     "ten steps), so a few slow steps select the moments a plan drafts",
     # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
     "policy.verify_cost_by_unpadded_rows": "the cost model prices a verify forward by the rows its requests "
                                            "verify, not by the rows it computes (every request padded to the "

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from dspine import faults
+
 from .config import EngineConfig
 from .drafters import GREEDY, SAMPLED, LoadedDrafter
 from .request import Request
@@ -87,7 +89,12 @@ class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraf
             speculative_ids = self._fit_speculative(speculative_ids, out)
             target_only_ids = [r for r in scheduler_output.speculative_ids if r not in speculative_ids] + target_only_ids
         self._drafting = frozenset(speculative_ids)
-        if speculative_ids:
+        if speculative_ids and scheduler_output.riders_apart and not faults.active("runner.riders_apart_ignored"):
+            # The plan found the riders' padding dearer than a forward of their own (CostModel.step_cost).
+            self._isolated(self._speculative_cycle, speculative_ids, requests, out)
+            if target_only_ids:
+                self._isolated(self._target_step, target_only_ids, requests, out)
+        elif speculative_ids:
             # The step's target-only requests ride in the cycle's verify forward, one row each: one
             # forward per step instead of two (a forward's fixed cost is most of a decode step's).
             self._isolated(self._speculative_cycle, speculative_ids + target_only_ids, requests, out)

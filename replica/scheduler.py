@@ -147,12 +147,14 @@ class FcfsScheduler(SchedulerInterface):
         speculative = [r for r in running if r.speculative]
         target_only = [r.request_id for r in running if not r.speculative]
         draft_rows: dict[str, int] = {}
+        riders_apart = False
         if self.policy is not None and speculative:
             # rows past the request's remaining output could never be emitted
             candidates = {r.request_id: min(self.policy.num_rows, r.params.max_new_tokens - r.stats.num_output_tokens - 1)
                           for r in speculative}
             sampled = frozenset(r.request_id for r in speculative if not r.params.is_greedy)
-            draft_rows = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled).draft_rows
+            plan = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled)
+            draft_rows, riders_apart = plan.draft_rows, plan.riders_apart
             target_only = [r.request_id for r in speculative if r.request_id not in draft_rows] + target_only
             speculative = [r for r in speculative if r.request_id in draft_rows]
         output = SchedulerOutput(
@@ -162,6 +164,7 @@ class FcfsScheduler(SchedulerInterface):
             finished_ids=self.take_finished_ids(),
             draft_rows=draft_rows,
             prefill_chunks=prefill_chunks,
+            riders_apart=riders_apart,
         )
         return output
 
@@ -214,8 +217,8 @@ class FcfsScheduler(SchedulerInterface):
                     if r in runner_output.num_verified]
         if verified and times.verify > 0:
             # the target-only requests rode in the verify forward (model_runner), which pads every
-            # request to the longest one's rows
-            batch = len(verified) + len(scheduler_output.target_only_ids)
+            # request to the longest one's rows, unless they ran apart (their own target step above)
+            batch = len(verified) + (0 if scheduler_output.riders_apart else len(scheduler_output.target_only_ids))
             rows = self.policy.costs.verify_rows(batch, verified)
             # the drafter and the tail ran every drafting request over the step's block rows
             self.policy.costs.observe_speculative(len(verified) * runner_output.block_rows, rows, times.verify,

@@ -13,12 +13,16 @@ target step. Both sides are measured, not assumed:
 * :class:`AcceptanceProfile` keeps, per request, the decayed probability that
   row t is accepted given rows 1..t-1 were, from that request's past cycles
   (new requests start from the engine-wide profile of their kind: greedy and
-  sampled requests accept very differently, so each kind has its own).
+  sampled requests accept very differently, so each kind has its own), one
+  profile for the cycle after a block accepted in full and one for any other
+  (acceptance comes in runs).
 
 :class:`SpeculationPolicy.plan` then picks the plan with the most expected
 tokens per second (row t of request b gains ``P(rows 1..t of b accepted)``
-tokens; the verify forward costs its padded rows, every request of the step
-times the longest one's), and compares it with a target-only step. When
+tokens, scaled by what the kind's planned cycles accepted against their
+forecasts; the verify forward costs its padded rows, every request of the step
+times the longest one's, or the riders run a target-only forward of their own
+when that is cheaper), and compares it with a target-only step. When
 target-only wins, a probe step drafts again after a while (4 steps, doubling
 up to 64 while speculation keeps losing; 128 for sampled requests, each kind
 on its own schedule) so a request whose text becomes predictable is noticed. The back-off starts over only after
@@ -46,6 +50,17 @@ __all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", 
 
 # Weight of history per new observation: 0.9 forgets a timing in about ten steps.
 _COST_DECAY = 0.9
+# The target-only line forgets more slowly (about fifty steps): those steps are plentiful, and a
+# plan compares a drafting step against this line's estimate, so its noise selects the moments to
+# draft. At 0.9, one request at top-p 0.9 on a 2-core CPU (steps 4.8 ms at p10, 8.8 ms at p99)
+# planned its drafting steps when a few slow steps had lifted the estimate to 7.0 ms, while target
+# steps averaged 5.5 ms: those steps needed 1.5 accepted tokens to pay, were priced at 1.1, and lost.
+_TARGET_COST_DECAY = 0.98
+# A kind's forecasts are scaled by what its planned cycles accepted against what they forecast
+# (decayed over about twenty such cycles, with this many forecast tokens of prior at ratio 1).
+_CALIBRATION_DECAY = 0.95
+_CALIBRATION_PRIOR_TOKENS = 2.0
+_CALIBRATION_RANGE = (0.5, 1.5)
 # Per request: about the last twenty cycles count (one unlucky cycle must not stop drafting).
 _ACCEPT_DECAY = 0.95
 _PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide profile in a request's estimate
@@ -128,7 +143,8 @@ class CostModel:
     steps for 2 steps' tokens."""
 
     # A CPU's forward grows by several percent of its fixed cost per row; a GPU's barely grows.
-    target_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
+    target_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05,
+                                                                          decay=_TARGET_COST_DECAY))
     verify_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
     # by drafted rows (requests x block rows): the drafter and the tail run only the rows a plan
     # verifies, and on a CPU a row costs a few percent of the passes' fixed cost
@@ -149,6 +165,8 @@ class CostModel:
         return len(draft_rows) * (1 + max(draft_rows))
 
     def observe_target_step(self, rows: int, seconds: float) -> None:
+        if faults.active("policy.target_cost_fast_decay"):
+            self.target_forward.decay = _COST_DECAY
         self.target_forward.observe(rows, seconds)
 
     def observe_speculative(self, drafted_rows: int, rows: int, forward_seconds: float,
@@ -166,11 +184,30 @@ class CostModel:
 
     def step_seconds(self, batch: int, draft_rows: Sequence[int] = ()) -> float:
         """Predicted seconds of a step of ``batch`` requests in which some draft, ``draft_rows`` rows
-        each: with anyone drafting, the others ride in the same forward, so a step is one forward
-        either way."""
-        if draft_rows:
-            return self.draft_overhead.predict(self.drafted_rows(draft_rows)) + self.verify_forward.predict(
-                self.verify_rows(batch, draft_rows))
+        each, the others riding in the cycle's verify forward or running apart, whichever is cheaper
+        (see :meth:`step_cost`)."""
+        return self.step_cost(batch, draft_rows)[0]
+
+    def step_cost(self, batch: int, draft_rows: Sequence[int] = ()) -> tuple[float, bool]:
+        """``(seconds, riders_apart)`` of a step of ``batch`` requests in which some draft,
+        ``draft_rows`` rows each. The requests that do not draft either ride in the verify forward
+        (one forward, each of them padded to the longest drafting request's rows) or run their own
+        target-only forward after it (two forwards' fixed costs, no padding): with 8 requests in
+        flight, one that drafts 15 rows makes a riding forward of 128 rows, 1.6 times the cost of
+        its own 16 rows plus the others' target-only step on a 2-core CPU."""
+        if not draft_rows:
+            return self.target_only_seconds(batch), False
+        overhead = self.draft_overhead.predict(self.drafted_rows(draft_rows))
+        riding = overhead + self.verify_forward.predict(self.verify_rows(batch, draft_rows))
+        num_riders = batch - len(draft_rows)
+        if num_riders <= 0 or faults.active("policy.riders_always_ride"):
+            return riding, False
+        apart = (overhead + self.verify_forward.predict(self.verify_rows(len(draft_rows), draft_rows))
+                 + self.target_only_seconds(num_riders))
+        return (apart, True) if apart < riding else (riding, False)
+
+    def target_only_seconds(self, batch: int) -> float:
+        """Predicted seconds of a target-only forward of ``batch`` requests."""
         if not batch:
             return 0.0
         if self.target_forward.num_observations == 0:
@@ -184,9 +221,12 @@ class AcceptanceProfile:
     """Decayed P(row t accepted | rows 1..t-1 accepted), t = 1..num_rows, for one request or an engine."""
 
     def __init__(self, num_rows: int, prior: "AcceptanceProfile | None" = None, initial: float = 0.5,
-                 decay: float = _ACCEPT_DECAY):
+                 decay: float = _ACCEPT_DECAY, prior_learns: bool = True):
         self.num_rows = num_rows
         self.prior = prior
+        # a request's cycles also teach its engine-wide prior; an engine-wide profile leaning on
+        # another (a run state on the other state, until it has its own data) does not teach it
+        self.prior_learns = prior_learns
         self.initial = initial
         self.decay = decay
         self._accepted = [0.0] * num_rows
@@ -235,7 +275,7 @@ class AcceptanceProfile:
             self._accepted[row] = self.decay * self._accepted[row] + (1.0 if row < accepted_len else 0.0)
             self._seen[row] = self.decay * self._seen[row] + 1.0
         self.version += 1
-        if self.prior is not None:
+        if self.prior is not None and self.prior_learns:
             self.prior.observe(num_verified, accepted_len)
 
 
@@ -245,6 +285,7 @@ class StepPlan:
 
     draft_rows: dict[str, int]
     is_probe: bool = False
+    riders_apart: bool = False  # the others run their own target-only forward (CostModel.step_cost)
 
 
 class SpeculationPolicy:
@@ -253,10 +294,20 @@ class SpeculationPolicy:
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
         self.costs = CostModel()
-        # Engine-wide profiles, one per kind of request, learn from every request of that kind and
-        # are where a new request's estimates start.
-        self.engine_profiles = {kind: AcceptanceProfile(num_rows, initial=0.5) for kind in ("greedy", "sampled")}
-        self._profiles: dict[str, AcceptanceProfile] = {}
+        # Engine-wide profiles, one per kind of request and run state, learn from every request of
+        # that kind and are where a new request's estimates start. Acceptance comes in runs (a
+        # greedy block accepted in full is followed by another most of the time, a partly accepted
+        # one rarely), so a request keeps one profile for the cycle after a block it accepted in
+        # full and one for the cycle after any other: averaged into one, a run's next block was
+        # forecast at the mean (3.7 of 15 rows on the embedded pair) and 8 greedy requests in flight
+        # stopped drafting where whole blocks paid.
+        self.engine_profiles: dict[tuple[str, bool], AcceptanceProfile] = {}
+        for kind in ("greedy", "sampled"):
+            after_partial = AcceptanceProfile(num_rows, initial=0.5)
+            self.engine_profiles[kind, False] = after_partial
+            self.engine_profiles[kind, True] = AcceptanceProfile(num_rows, prior=after_partial, prior_learns=False)
+        self._profiles: dict[str, dict[bool, AcceptanceProfile]] = {}
+        self._in_run: dict[str, bool] = {}  # request id -> its last cycle accepted every row it verified
         self._kinds: dict[str, str] = {}  # request id -> "greedy" or "sampled"
         self._last_drafted: dict[str, int] = {}  # request id -> the decode step it last drafted in
         # per kind of request: decode steps since one of that kind drafted, and its probe interval
@@ -265,18 +316,28 @@ class SpeculationPolicy:
         # The last planned drafting step, until it is judged: (accepted tokens it needed to beat a
         # target-only step, its drafting requests, the tokens they accepted so far, their kinds).
         self._unjudged: tuple[float, frozenset[str], list[int], frozenset[str]] | None = None
+        # Per kind: decayed (tokens accepted, tokens forecast) over the cycles of planned drafting
+        # steps, and the raw forecasts of the last plan's requests until their cycles are observed.
+        # A plan drafts the requests whose estimates are highest just then, so what its cycles accept
+        # falls short of their forecast (one request at top-p 0.9: 1.17 accepted for 1.69 forecast
+        # over its planned steps, 1.27 for 1.10 over its probes, which the schedule picks blind).
+        self._calibration = {kind: [0.0, 0.0] for kind in _MAX_PROBE_INTERVAL}
+        self._planned_forecasts: dict[str, float] = {}
         self.num_probes = 0
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
 
     # ------------------------------------------------------------ planning
     def profile(self, request_id: str, sampled: bool = False) -> AcceptanceProfile:
-        """The request's profile (created on first use, from the engine-wide one of its kind)."""
+        """The request's profile for its next cycle: after a block it accepted in full, or after any
+        other (created on first use, from the engine-wide ones of its kind)."""
         if request_id not in self._profiles:
             kind = "sampled" if sampled else "greedy"
             self._kinds[request_id] = kind
-            self._profiles[request_id] = AcceptanceProfile(self.num_rows, prior=self.engine_profiles[kind])
-        return self._profiles[request_id]
+            self._profiles[request_id] = {in_run: AcceptanceProfile(self.num_rows, prior=self.engine_profiles[kind, in_run])
+                                          for in_run in (False, True)}
+        in_run = self._in_run.get(request_id, False) and not faults.active("policy.acceptance_without_runs")
+        return self._profiles[request_id][in_run]
 
     def plan(self, candidates: dict[str, int], num_target_only: int = 0, sampled: frozenset[str] = frozenset(),
              ) -> StepPlan:
@@ -290,15 +351,18 @@ class SpeculationPolicy:
             self.profile(request_id, request_id in sampled)
         self.num_decode_steps += 1
         self._judge_last_drafting_step()
+        self._planned_forecasts = {}
+        batch = len(candidates) + num_target_only
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
-        rows = self._best_rows(candidates, num_target_only)
+        rows, riders_apart = self._best_rows(candidates, num_target_only)
         if rows:
             kinds = frozenset(self._kinds[r] for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
                 self._restart_probes(kinds)
             self._unjudged = (self._break_even(rows, len(candidates) + num_target_only), frozenset(rows), [0], kinds)
-            return self._drafting(StepPlan(rows))
+            self._planned_forecasts = {r: sum(self.profile(r).gains(n)) for r, n in rows.items()}
+            return self._drafting(StepPlan(rows, riders_apart=riders_apart))
         due = []
         for kind in sorted({self._kinds[r] for r in candidates}):
             self._steps_without_draft[kind] += 1
@@ -311,8 +375,18 @@ class SpeculationPolicy:
                             key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS[self._kinds[r]]) for r in oldest[:_PROBE_REQUESTS]}
             self.num_probes += bool(probe)
-            return self._drafting(StepPlan(probe, is_probe=True))
+            riders_apart = bool(probe) and self.costs.step_cost(batch, list(probe.values()))[1]
+            return self._drafting(StepPlan(probe, is_probe=True, riders_apart=riders_apart))
         return StepPlan({})
+
+    def forecast_calibration(self, kind: str) -> float:
+        """The factor on a kind's forecast gains (at most 1): the tokens its planned drafting cycles
+        accepted over those they were forecast, with a prior at 1."""
+        if faults.active("policy.forecast_uncalibrated"):
+            return 1.0
+        accepted, forecast = self._calibration[kind]
+        ratio = (accepted + _CALIBRATION_PRIOR_TOKENS) / (forecast + _CALIBRATION_PRIOR_TOKENS)
+        return min(_CALIBRATION_RANGE[1], max(_CALIBRATION_RANGE[0], ratio))
 
     def probe_interval(self, kind: str) -> int:
         """Decode steps a kind of request ("greedy" or "sampled") waits for its next probe now."""
@@ -347,46 +421,59 @@ class SpeculationPolicy:
                 self._steps_without_draft[kind] = 0
         return plan
 
-    def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
-        """The plan with the most tokens per second, if it beats target-only: for each longest row
-        count T, the requests with the most expected tokens from their first T rows.
+    def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> tuple[dict[str, int], bool]:
+        """The plan with the most tokens per second, if it beats target-only, and whether its riders
+        run apart: for each longest row count T, the requests with the most expected tokens from their
+        first T rows.
 
-        A step's verify cost depends only on T and on how many requests draft (every request is padded
-        to T rows), so once T is chosen a drafting request verifies all its rows up to T (they cost
-        nothing more), and of k drafting requests the best are the k with the largest expected
-        accepted tokens over T rows. Runs every decode step on the engine's thread: the cost lines are
-        read once (with 8 requests x 15 rows, calling `CostModel.step_seconds` per candidate took 4% of
-        a CPU target step)."""
+        A step's cost depends only on T and on how many requests draft (every drafting request is
+        padded to T rows, and so is every rider that rides), so once T is chosen a drafting request
+        verifies all its rows up to T (they cost nothing more), and of k drafting requests the best
+        are the k with the largest expected accepted tokens over T rows. Runs every decode step on the
+        engine's thread: the cost lines are read once (with 8 requests x 15 rows, calling
+        `CostModel.step_seconds` per candidate took 4% of a CPU target step)."""
         if faults.active("policy.verify_cost_by_unpadded_rows"):
-            return self._best_rows_by_gain(candidates, num_target_only)
+            return self._best_rows_by_gain(candidates, num_target_only), False
         batch = len(candidates) + num_target_only
         best_rate = batch / self.costs.step_seconds(batch)
         overhead_intercept, overhead_slope = self.costs.draft_overhead.coefficients()
         verify_intercept, verify_slope = self.costs.verify_forward.coefficients()
+        # the riders' own target-only forward, by their number (CostModel.step_cost); inf: they ride
+        apart_allowed = not faults.active("policy.riders_always_ride")
+        riders_seconds = [0.0] + [self.costs.target_only_seconds(n) if apart_allowed else float("inf")
+                                  for n in range(1, batch)]
         # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
-        expected = {request_id: list(accumulate(self.profile(request_id).gains(max_rows)))
+        calibration = {kind: self.forecast_calibration(kind) for kind in self._calibration}
+        expected = {request_id: [calibration[self._kinds[request_id]] * tokens
+                                 for tokens in accumulate(self.profile(request_id).gains(max_rows))]
                     for request_id, max_rows in candidates.items() if max_rows > 0}
-        best: tuple[int, list[str]] = (0, [])
+        best: tuple[int, list[str], bool] = (0, [], False)
         for longest in range(1, max((len(e) for e in expected.values()), default=0) + 1):
-            fixed = overhead_intercept + verify_intercept + verify_slope * batch * (1 + longest)
+            base = overhead_intercept + verify_intercept
+            riding = base + verify_slope * batch * (1 + longest)
             ranked = sorted(((e[min(longest, len(e)) - 1], request_id) for request_id, e in expected.items()),
                             key=lambda item: (-item[0], item[1]))
-            if batch + sum(gain for gain, _ in ranked) <= best_rate * fixed:
+            cheapest = base + (verify_slope + overhead_slope) * (1 + longest)  # no step of T rows costs less
+            if batch + sum(gain for gain, _ in ranked) <= best_rate * cheapest:
                 continue  # not even every request drafting could beat the best plan so far
             tokens = float(batch)
             for count, (gain, _) in enumerate(ranked, start=1):
                 tokens += gain
-                rate = tokens / (fixed + overhead_slope * count * (1 + longest))  # CostModel.drafted_rows
-                if rate > best_rate:
-                    best_rate, best = rate, (longest, [request_id for _, request_id in ranked[:count]])
-        longest, drafting = best
-        return {request_id: min(longest, candidates[request_id]) for request_id in drafting}
+                drafting = overhead_slope * count * (1 + longest)  # CostModel.drafted_rows
+                apart = base + verify_slope * count * (1 + longest) + riders_seconds[batch - count]
+                seconds = drafting + min(riding, apart)
+                if tokens / seconds > best_rate:
+                    best_rate = tokens / seconds
+                    best = (longest, [request_id for _, request_id in ranked[:count]], apart < riding)
+        longest, drafting_ids, riders_apart = best
+        return {request_id: min(longest, candidates[request_id]) for request_id in drafting_ids}, riders_apart
 
     def _best_rows_by_gain(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
         """The plan priced by unpadded rows (the fault ``policy.verify_cost_by_unpadded_rows``): rows in
         order of gain, the prefix with the most tokens per second."""
         batch = len(candidates) + num_target_only
-        ranked = sorted(((gain, request_id) for request_id, max_rows in candidates.items()
+        ranked = sorted(((self.forecast_calibration(self._kinds[request_id]) * gain, request_id)
+                         for request_id, max_rows in candidates.items()
                          for gain in self.profile(request_id).gains(max_rows)), key=lambda item: -item[0])
         best_rate, best_count, tokens, drafting = batch / self.costs.step_seconds(batch), 0, float(batch), set()
         for count, (gain, request_id) in enumerate(ranked, start=1):
@@ -405,10 +492,17 @@ class SpeculationPolicy:
     def observe_cycle(self, request_id: str, num_verified: int, accepted_len: int) -> None:
         if self._unjudged is not None and request_id in self._unjudged[1]:
             self._unjudged[2][0] += accepted_len
+        forecast = self._planned_forecasts.pop(request_id, None)
+        if forecast is not None:
+            sums = self._calibration[self._kinds[request_id]]
+            sums[0] = _CALIBRATION_DECAY * sums[0] + accepted_len
+            sums[1] = _CALIBRATION_DECAY * sums[1] + forecast
         self.profile(request_id).observe(num_verified, accepted_len)
+        self._in_run[request_id] = 0 < num_verified <= accepted_len
 
     def forget(self, request_id: str) -> None:
         self._profiles.pop(request_id, None)
+        self._in_run.pop(request_id, None)
         self._kinds.pop(request_id, None)
         self._last_drafted.pop(request_id, None)
 

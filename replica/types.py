@@ -66,6 +66,9 @@ class SchedulerOutput:
     # Chunked prefill: the prompt range [start, end) each prefill request runs this step; absent:
     # the whole prompt. A request samples its first token in the step whose chunk ends its prompt.
     prefill_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The target-only requests run their own forward after the cycle's instead of riding in its
+    # verify forward (which pads each of them to the longest drafting request's rows).
+    riders_apart: bool = False
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
