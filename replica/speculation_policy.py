@@ -360,7 +360,7 @@ class SpeculationPolicy:
             kinds = frozenset(self._kinds[r] for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
                 self._restart_probes(kinds)
-            self._unjudged = (self._break_even(rows, len(candidates) + num_target_only), frozenset(rows), [0], kinds)
+            self._unjudged = (self._break_even(rows, batch), frozenset(rows), [0], kinds)
             self._planned_forecasts = {r: sum(self.profile(r).gains(n)) for r, n in rows.items()}
             return self._drafting(StepPlan(rows, riders_apart=riders_apart))
         due = []
@@ -380,8 +380,8 @@ class SpeculationPolicy:
         return StepPlan({})
 
     def forecast_calibration(self, kind: str) -> float:
-        """The factor on a kind's forecast gains (at most 1): the tokens its planned drafting cycles
-        accepted over those they were forecast, with a prior at 1."""
+        """The factor on a kind's forecast gains (within ``_CALIBRATION_RANGE``): the tokens its planned
+        drafting cycles accepted over those they were forecast, with a prior at 1."""
         if faults.active("policy.forecast_uncalibrated"):
             return 1.0
         accepted, forecast = self._calibration[kind]
@@ -438,24 +438,27 @@ class SpeculationPolicy:
         best_rate = batch / self.costs.step_seconds(batch)
         overhead_intercept, overhead_slope = self.costs.draft_overhead.coefficients()
         verify_intercept, verify_slope = self.costs.verify_forward.coefficients()
-        # the riders' own target-only forward, by their number (CostModel.step_cost); inf: they ride
-        apart_allowed = not faults.active("policy.riders_always_ride")
-        riders_seconds = [0.0] + [self.costs.target_only_seconds(n) if apart_allowed else float("inf")
-                                  for n in range(1, batch)]
+        # the riders' own target-only forward, by their number (CostModel.step_cost); inf: they ride.
+        # Read only once a row count passes the bound below (most steps of sampled requests: none).
+        riders_seconds: list[float] = []
         # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
         calibration = {kind: self.forecast_calibration(kind) for kind in self._calibration}
         expected = {request_id: [calibration[self._kinds[request_id]] * tokens
                                  for tokens in accumulate(self.profile(request_id).gains(max_rows))]
                     for request_id, max_rows in candidates.items() if max_rows > 0}
         best: tuple[int, list[str], bool] = (0, [], False)
+        base = overhead_intercept + verify_intercept
         for longest in range(1, max((len(e) for e in expected.values()), default=0) + 1):
-            base = overhead_intercept + verify_intercept
             riding = base + verify_slope * batch * (1 + longest)
             ranked = sorted(((e[min(longest, len(e)) - 1], request_id) for request_id, e in expected.items()),
                             key=lambda item: (-item[0], item[1]))
             cheapest = base + (verify_slope + overhead_slope) * (1 + longest)  # no step of T rows costs less
             if batch + sum(gain for gain, _ in ranked) <= best_rate * cheapest:
                 continue  # not even every request drafting could beat the best plan so far
+            if not riders_seconds:
+                apart_allowed = not faults.active("policy.riders_always_ride")
+                riders_seconds = [0.0] + [self.costs.target_only_seconds(n) if apart_allowed else float("inf")
+                                          for n in range(1, batch)]
             tokens = float(batch)
             for count, (gain, _) in enumerate(ranked, start=1):
                 tokens += gain

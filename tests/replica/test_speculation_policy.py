@@ -374,7 +374,8 @@ def test_a_forecast_that_holds_keeps_its_calibration_at_one():
     """Planned cycles that accept what they were forecast leave the forecasts alone (no drift down
     from a calibration that only ever lowers them): rows 1-4 always accepted, row 5 never."""
     policy = _policy_with_costs()
-    _simulated(policy, lambda step, rows: min(rows, 4), 500)
+    planned, _, _ = _simulated(policy, lambda step, rows: min(rows, 4), 500)
+    assert planned > 400 and policy._calibration["greedy"][1] > 10  # planned cycles were counted
     assert policy.forecast_calibration("greedy") == pytest.approx(1.0, abs=0.05)
     assert policy.plan({"r": ROWS}).draft_rows == {"r": 4}
 
