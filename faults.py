@@ -97,6 +97,9 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_a_noisy_target_step_time_does_not_pick_the_drafting_steps
     "policy.target_cost_fast_decay": "the target-only cost line forgets as fast as the drafting lines (about "
                                      "ten steps), so a few slow steps select the moments a plan drafts",
+    # tests/replica/test_speculation_policy.py::test_a_request_that_stopped_drafting_drafts_again_when_its_evidence_fades
+    "policy.idle_evidence_kept": "a request's own acceptance evidence keeps its weight while it decodes "
+                                 "target-only, so a few failed cycles keep it from drafting until a probe",
     # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
     "policy.verify_cost_by_unpadded_rows": "the cost model prices a verify forward by the rows its requests "
                                            "verify, not by the rows it computes (every request padded to the "
