@@ -20,17 +20,36 @@ SWEEP_REGIMES = (
 )
 
 
+# Groups of distinct prompts per repeat in a regime with several requests in flight. One group of 8
+# decodes in about 3.5 s on the 2-core CPU and two such runs differ by up to 10% on their own, so
+# a repeat made of a single pair could not tell 0.97x from 1.0x; four pairs per repeat, each pair
+# adjacent in time, average most of that out.
+GROUPS_IN_FLIGHT = 4
+
+
+def regime_prompts(prompts: list[list[int]], num_prompts: int, concurrency: int,
+                   groups_in_flight: int = GROUPS_IN_FLIGHT) -> list[list[int]]:
+    """The prompts of one regime: the first ``num_prompts`` one at a time; with ``concurrency`` in
+    flight, ``groups_in_flight`` groups of ``concurrency`` distinct prompts (repeated only where
+    ``prompts`` holds fewer)."""
+    if concurrency == 1:
+        return prompts[:num_prompts]
+    wanted = max(num_prompts, concurrency * groups_in_flight)
+    return (prompts * (wanted // len(prompts) + 1))[:wanted]
+
+
 def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
-                regimes=SWEEP_REGIMES) -> list[dict]:
+                regimes=SWEEP_REGIMES, groups_in_flight: int = GROUPS_IN_FLIGHT) -> list[dict]:
     """Every regime through :func:`bench_engine` on one engine (target-only and speculative interleaved,
-    paired repeats); one row per regime with the same-run ratio and the speculation policy's drafting
-    share. With 8 in flight the prompts are repeated so that every group holds 8 requests."""
-    prompts = heldout_prompts(engine, num_prompts, prompt_len)
+    paired repeats); one row per regime with the same-run ratio, its spread over the repeats and the
+    speculation policy's drafting share. With several requests in flight a repeat decodes
+    ``groups_in_flight`` groups of distinct prompts (:func:`regime_prompts`)."""
+    prompts = heldout_prompts(engine, max(num_prompts, 8 * groups_in_flight), prompt_len)
     policy = engine.scheduler.policy
     rows = []
     for name, overrides, max_new_tokens, concurrency in regimes:
         params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
-        group = prompts if concurrency == 1 else (prompts * concurrency)[: max(len(prompts), concurrency)]
+        group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
         steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
         report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
                               repeats=repeats)
@@ -38,7 +57,8 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
         if policy is not None:
             decode = policy.num_decode_steps - steps_before[0]
             share = (policy.num_drafting_steps - steps_before[1]) / decode if decode else 0.0
-        rows.append({"regime": name, "speedup": report.speedup, "run_speedups": report.run_speedups,
+        rows.append({"regime": name, "num_requests": len(group), "speedup": report.speedup,
+                     "run_speedups": report.run_speedups,
                      "target_only_tokens_per_s": report.target_only_tokens_per_s,
                      "speculative_tokens_per_s": report.speculative_tokens_per_s,
                      "mean_accepted_len": report.mean_accepted_len, "mean_verified_len": report.mean_verified_len,
@@ -48,19 +68,24 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
 
 def format_sweep(rows: list[dict]) -> str:
     """The sweep as one table (ratios against target-only measured in the same run)."""
-    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'accepted':>9} {'verified':>9}"
-             f" {'drafting':>9}  identical",
-             "-" * 106]
+    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11} {'accepted':>9}"
+             f" {'verified':>9} {'drafting':>9}  identical",
+             "-" * 118]
     def figure(value) -> str:
         return "-" if value is None else f"{value:.2f}"
+
+    def spread(ratios) -> str:
+        return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
     for row in rows:
         share = "-" if row["drafting_share"] is None else f"{100 * row['drafting_share']:.0f}%"
         identical = "" if row["identical_greedy_output"] is None else str(row["identical_greedy_output"])
         lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
-                     f" t/s {row['speedup']:6.2f}x {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
+                     f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11}"
+                     f" {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
                      f" {share:>9}  {identical}")
     lowest = min(rows, key=lambda row: row["speedup"])
-    lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); drafting = share of the speculative runs' "
-                 "decode steps that drafted")
+    lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); ratio = median of the paired repeats, "
+                 "repeats = their lowest and highest; drafting = share of the speculative runs' decode steps that "
+                 "drafted")
     return "\n".join(lines)

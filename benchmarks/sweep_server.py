@@ -7,16 +7,19 @@ import statistics
 
 from .load import run_load
 from .servers import StandaloneServer
-from .sweep import SWEEP_REGIMES
+from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts
 
 
-def bench_sweep_server(prompts: list[list[int]], repeats: int = 3, seed: int = 0, regimes=None, threads: int = 2,
-                       target_dir=None, draft_dir=None, sampled_draft_dir=None) -> list[dict]:
+def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: int = 3, seed: int = 0, regimes=None,
+                       threads: int = 2, target_dir=None, draft_dir=None, sampled_draft_dir=None,
+                       groups_in_flight: int = GROUPS_IN_FLIGHT) -> list[dict]:
     """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
     through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
     the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
     median of the paired ratios. Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
-    counters live in the server, so acceptance and drafting share are not reported)."""
+    counters live in the server, so acceptance and drafting share are not reported). ``prompts`` is
+    the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
+    several in flight, the load keeps ``concurrency`` streams open over all of them."""
     regimes = SWEEP_REGIMES if regimes is None else regimes
     server = StandaloneServer(threads, 8, target_dir, draft_dir, sampled_draft_dir)
     rows = []
@@ -24,7 +27,7 @@ def bench_sweep_server(prompts: list[list[int]], repeats: int = 3, seed: int = 0
         asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
                              dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
         for name, overrides, max_new_tokens, concurrency in regimes:
-            group = prompts if concurrency == 1 else (prompts * concurrency)[: max(len(prompts), concurrency)]
+            group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
             rates: dict[bool, list[float]] = {False: [], True: []}
             tokens: dict[bool, list[int]] = {False: [], True: []}
@@ -37,7 +40,8 @@ def bench_sweep_server(prompts: list[list[int]], repeats: int = 3, seed: int = 0
                     rates[speculative].append(report.tokens_per_s)
                     tokens[speculative].append(report.tokens)
             ratios = [spec / base for spec, base in zip(rates[True], rates[False])]
-            rows.append({"regime": name, "speedup": statistics.median(ratios), "run_speedups": ratios,
+            rows.append({"regime": name, "num_requests": len(group), "speedup": statistics.median(ratios),
+                         "run_speedups": ratios,
                          "target_only_tokens_per_s": statistics.median(rates[False]),
                          "speculative_tokens_per_s": statistics.median(rates[True]),
                          "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,

@@ -30,6 +30,9 @@ def add_parser(commands) -> None:
     bench_engine.add_argument("--sweep", action="store_true",
                               help="run the regimes of the speculation policy (greedy, first 48 tokens, sampled, "
                                    "8 in flight), target-only and speculative interleaved, and print one table")
+    bench_engine.add_argument("--groups-in-flight", type=int, default=None, metavar="N",
+                              help="with --sweep: groups of 8 distinct prompts each repeat decodes in the "
+                                   "8-in-flight regimes (default 4)")
     bench_engine.add_argument("--plot", metavar="FILE.png",
                               help="also draw the accepted-length histogram and the per-token stage costs beside "
                                    "target-only (needs the plot extra: matplotlib)")
@@ -132,22 +135,26 @@ def _bench_kv_layouts(args, target_dir: str, draft_dir: str) -> int:
 
 def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
     from dspine.benchmarks.prompts import heldout_prompts
-    from dspine.benchmarks.sweep import bench_sweep, format_sweep
+    from dspine.benchmarks.sweep import GROUPS_IN_FLIGHT, bench_sweep, format_sweep
     from dspine.replica import Engine
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=8),
                                     sampled_draft_dir=_sampled_draft_dir(args))
     seed = 0 if args.seed is None else args.seed
+    groups = GROUPS_IN_FLIGHT if args.groups_in_flight is None else args.groups_in_flight
+    if groups < 1:
+        raise SystemExit(f"--groups-in-flight: must be >= 1, got {groups}")
     rows = bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                       repeats=args.repeats, seed=seed)
+                       repeats=args.repeats, seed=seed, groups_in_flight=groups)
     served = None
     if args.through_server:
         from dspine.benchmarks.sweep_server import bench_sweep_server
 
-        served = bench_sweep_server(heldout_prompts(engine, args.num_prompts, args.prompt_len),
-                                    repeats=args.repeats, seed=seed, target_dir=target_dir, draft_dir=draft_dir,
-                                    sampled_draft_dir=_sampled_draft_dir(args))
+        pool = heldout_prompts(engine, max(args.num_prompts, 8 * groups), args.prompt_len)
+        served = bench_sweep_server(pool, num_prompts=args.num_prompts, repeats=args.repeats, seed=seed,
+                                    target_dir=target_dir, draft_dir=draft_dir,
+                                    sampled_draft_dir=_sampled_draft_dir(args), groups_in_flight=groups)
     if args.json:
         print(json.dumps(rows if served is None else {"inline": rows, "server": served}, indent=2))
     else:

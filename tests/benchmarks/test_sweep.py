@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dspine_testing.engines import make_engine
 
-from dspine.benchmarks.sweep import bench_sweep, format_sweep
+from dspine.benchmarks.sweep import bench_sweep, format_sweep, regime_prompts
 
 REGIMES = (
     ("greedy", {}, 12, 1),
@@ -15,8 +15,10 @@ REGIMES = (
 
 def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
     engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
-    rows = bench_sweep(engine, num_prompts=2, prompt_len=6, repeats=1, regimes=REGIMES)
+    rows = bench_sweep(engine, num_prompts=2, prompt_len=6, repeats=1, regimes=REGIMES, groups_in_flight=2)
     assert [row["regime"] for row in rows] == ["greedy", "sampled", "batched"]
+    # one request at a time: the prompts themselves; 4 in flight: two groups of 4 per repeat
+    assert [row["num_requests"] for row in rows] == [2, 2, 8]
     for row in rows:
         ratio = row["speculative_tokens_per_s"] / row["target_only_tokens_per_s"]
         assert abs(row["speedup"] - ratio) < 1e-9 * ratio  # one paired repeat: the ratio itself
@@ -34,3 +36,23 @@ def test_sweep_without_the_policy_reports_no_drafting_share(hybrid_target):
     rows = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[:1])
     assert rows[0]["drafting_share"] is None
     assert "  -  " in format_sweep(rows) or " - " in format_sweep(rows)
+
+
+def test_regimes_in_flight_decode_several_groups_of_distinct_prompts():
+    pool = [[i, i + 1] for i in range(40)]
+    assert regime_prompts(pool, 8, 1) == pool[:8]
+    in_flight = regime_prompts(pool, 8, 8, groups_in_flight=4)
+    # four groups of eight, no prompt twice: a repeat of the 8-in-flight regimes is four paired
+    # runs, not one pair of the same 8 prompts whose run-to-run scatter hides a 3% loss
+    assert len(in_flight) == 32 and len({tuple(p) for p in in_flight}) == 32
+    # a pool too small for that is repeated rather than shrinking the groups
+    small = regime_prompts(pool[:3], 2, 4, groups_in_flight=2)
+    assert len(small) == 8 and small[:3] == pool[:3] and small[3:6] == pool[:3]
+
+
+def test_the_table_shows_each_regimes_spread_over_its_repeats(hybrid_target):
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    rows = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=2, regimes=REGIMES[:1])
+    low, high = min(rows[0]["run_speedups"]), max(rows[0]["run_speedups"])
+    assert len(rows[0]["run_speedups"]) == 2
+    assert f"{low:.2f}-{high:.2f}" in format_sweep(rows)
