@@ -134,13 +134,18 @@ def gemm_probe(device: torch.device | str = "cpu", iters: int = 200) -> float:
 def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int = 8, prompt_len: int = 64,
                  concurrency: int = 1, device: str = "auto", dtype: str = "auto", engine: Engine | None = None,
                  prompts: list[list[int]] | None = None, repeats: int = 3,
-                 config: EngineConfig | None = None, trace_out: str | Path | None = None) -> EngineBenchReport:
+                 config: EngineConfig | None = None, trace_out: str | Path | None = None,
+                 load_size: int | None = None, control: bool = False) -> EngineBenchReport:
     """Decode the same prompts target-only and speculatively, ``repeats`` times each, in one run.
 
-    The two modes are interleaved group by group (a group is ``concurrency`` prompts decoded
-    together), alternating which mode goes first, so a slow stretch on a shared machine lands
-    on both sides of the comparison; each repeat gives one paired ratio and the reported speedup
-    is their median. ``trace_out``: write the first repeat's steps as a Chrome/Perfetto trace."""
+    The two modes are interleaved load by load, alternating which mode goes first, so a slow
+    stretch on a shared machine lands on both sides of the comparison; each repeat gives one
+    paired ratio and the reported speedup is their median. A load is ``load_size`` prompts
+    (default ``concurrency``) decoded with ``concurrency`` in flight: at the default the load's
+    requests start together and the last ones finish in a thinner batch; a larger load gives each
+    finished request's slot to the next prompt, as a replica under load does. ``control``: the
+    "speculative" side decodes target-only too, so the ratio is the bench's own scatter on this
+    machine. ``trace_out``: write the first repeat's steps as a Chrome/Perfetto trace."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     if engine is None:
@@ -148,10 +153,14 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         engine = Engine.from_pretrained(target_dir, draft_dir, config)
     prompts = prompts or heldout_prompts(engine, num_prompts, prompt_len)
     params = SamplingParams(**{**asdict(params), "ignore_eos": True})
-    engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=True)  # warm-up
+    if not control:
+        engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=True)  # warm-up
     engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=False)
 
-    groups = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    load_size = concurrency if load_size is None else load_size
+    if load_size < concurrency:
+        raise ValueError(f"load_size: must be >= concurrency ({concurrency}), got {load_size}")
+    groups = [prompts[i : i + load_size] for i in range(0, len(prompts), load_size)]
     base_seconds, spec_seconds = [], []
     base_results = spec_results = None
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
@@ -170,7 +179,8 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         for g, group in enumerate(groups):
             for speculative in ((False, True) if (repeat + g) % 2 == 0 else (True, False)):
                 start = time.perf_counter()
-                results[speculative] += engine.generate_many(group, params, speculative=speculative)
+                results[speculative] += engine.generate_many(group, params, speculative=speculative and not control,
+                                                             max_in_flight=concurrency)
                 seconds[speculative] += time.perf_counter() - start
             progress.update(1)
         base_seconds.append(seconds[False])
@@ -179,7 +189,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         spec_results = spec_results or results[True]
         for result in results[True]:
             stages.add(result.stats.stage_times)
-            cycles += result.stats.spec.num_cycles
+            cycles += result.stats.spec.num_cycles if result.stats.spec is not None else 0  # None: control
         target_step += sum(r.stats.stage_times.target_step for r in results[False])
         base_steps += sum(max(0, r.stats.num_output_tokens - 1) for r in results[False])
     progress.close()
@@ -189,7 +199,8 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         write_chrome_trace(records, trace_out)
     spec = SpecDecodingStats(engine.block_size - 1)
     for result in spec_results:
-        spec.merge(result.stats.spec)
+        if result.stats.spec is not None:
+            spec.merge(result.stats.spec)
     per_cycle = {name: getattr(stages, name) / max(1, cycles) for name in ("draft", "tail", "verify", "commit")}
     identical = None
     if params.is_greedy:

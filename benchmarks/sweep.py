@@ -27,6 +27,12 @@ SWEEP_REGIMES = (
 GROUPS_IN_FLIGHT = 4
 
 
+# The sweep's control row: the 8-in-flight greedy regime with both sides of every pair decoding
+# target-only. Its ratio should be 1; its spread is what this machine's drift alone does to a
+# paired ratio in the same run, the yardstick for a regime a few percent from 1.
+CONTROL_REGIME = ("control: target-only vs itself", {}, 128, 8)
+
+
 def regime_prompts(prompts: list[list[int]], num_prompts: int, concurrency: int,
                    groups_in_flight: int = GROUPS_IN_FLIGHT) -> list[list[int]]:
     """The prompts of one regime: the first ``num_prompts`` one at a time; with ``concurrency`` in
@@ -38,23 +44,38 @@ def regime_prompts(prompts: list[list[int]], num_prompts: int, concurrency: int,
     return (prompts * (wanted // len(prompts) + 1))[:wanted]
 
 
+def prompt_pool_size(num_prompts: int, regimes, groups_in_flight: int = GROUPS_IN_FLIGHT) -> int:
+    """Distinct prompts the regimes draw from (:func:`regime_prompts`): enough for the widest one."""
+    return max([num_prompts] + [concurrency * groups_in_flight for *_, concurrency in regimes if concurrency > 1])
+
+
 def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
-                regimes=SWEEP_REGIMES, groups_in_flight: int = GROUPS_IN_FLIGHT) -> list[dict]:
+                regimes=SWEEP_REGIMES, groups_in_flight: int = GROUPS_IN_FLIGHT, keep_in_flight: bool = False,
+                control: bool = False) -> list[dict]:
     """Every regime through :func:`bench_engine` on one engine (target-only and speculative interleaved,
     paired repeats); one row per regime with the same-run ratio, its spread over the repeats and the
     speculation policy's drafting share. With several requests in flight a repeat decodes
-    ``groups_in_flight`` groups of distinct prompts (:func:`regime_prompts`)."""
-    prompts = heldout_prompts(engine, max(num_prompts, 8 * groups_in_flight), prompt_len)
+    ``groups_in_flight`` groups of distinct prompts (:func:`regime_prompts`), each group's requests
+    starting together and running to the last one's end, both modes of a group adjacent in time (the
+    speculative side ends each group in a thinner batch: its requests finish at different steps).
+    ``keep_in_flight``: the groups' prompts are one load instead, a finished request's slot going to
+    the next prompt as on a replica under load (its pairs are a whole load apart in time, four times
+    a group's). ``control``: a last row, :data:`CONTROL_REGIME`, whose both sides decode target-only
+    (with ``keep_in_flight``, as one load too)."""
+    all_regimes = list(regimes) + ([CONTROL_REGIME] if control else [])
+    prompts = heldout_prompts(engine, prompt_pool_size(num_prompts, all_regimes, groups_in_flight), prompt_len)
     policy = engine.scheduler.policy
     rows = []
-    for name, overrides, max_new_tokens, concurrency in regimes:
+    for name, overrides, max_new_tokens, concurrency in all_regimes:
+        is_control = control and (name, overrides, max_new_tokens, concurrency) == CONTROL_REGIME
         params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
         group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
         steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
+        load_size = len(group) if keep_in_flight and concurrency > 1 else concurrency
         report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
-                              repeats=repeats)
+                              repeats=repeats, load_size=load_size, control=is_control)
         share = None
-        if policy is not None:
+        if policy is not None and not is_control:
             decode = policy.num_decode_steps - steps_before[0]
             share = (policy.num_drafting_steps - steps_before[1]) / decode if decode else 0.0
         rows.append({"regime": name, "num_requests": len(group), "speedup": report.speedup,
@@ -62,7 +83,10 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
                      "target_only_tokens_per_s": report.target_only_tokens_per_s,
                      "speculative_tokens_per_s": report.speculative_tokens_per_s,
                      "mean_accepted_len": report.mean_accepted_len, "mean_verified_len": report.mean_verified_len,
-                     "drafting_share": share, "identical_greedy_output": report.identical_greedy_output})
+                     "drafting_share": share, "identical_greedy_output": report.identical_greedy_output,
+                     "control": is_control})
+        if is_control:
+            rows[-1].update(mean_accepted_len=None, mean_verified_len=None)
     return rows
 
 
@@ -84,8 +108,12 @@ def format_sweep(rows: list[dict]) -> str:
                      f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11}"
                      f" {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
                      f" {share:>9}  {identical}")
-    lowest = min(rows, key=lambda row: row["speedup"])
+    regimes = [row for row in rows if not row.get("control")] or rows
+    lowest = min(regimes, key=lambda row: row["speedup"])
     lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); ratio = median of the paired repeats, "
                  "repeats = their lowest and highest; drafting = share of the speculative runs' decode steps that "
                  "drafted")
+    if any(row.get("control") for row in rows):
+        lines.append("control: both sides of each pair decode target-only (8 in flight, greedy); its repeats are "
+                     "this machine's own scatter of a paired ratio")
     return "\n".join(lines)

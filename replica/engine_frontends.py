@@ -46,8 +46,14 @@ class EngineFrontends:
         return self.generate_many([prompt_token_ids], params, speculative, request_ids=[request_id] if request_id else None)[0]
 
     def generate_many(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
-                      speculative: bool | None = None, request_ids: list[str] | None = None) -> list[GenerationResult]:
-        """Run many prompts with continuous batching (at most ``max_concurrency`` at once)."""
+                      speculative: bool | None = None, request_ids: list[str] | None = None,
+                      max_in_flight: int | None = None) -> list[GenerationResult]:
+        """Run many prompts with continuous batching: at most ``max_in_flight`` at once (default and
+        cap: the engine's ``max_concurrency``), each finished one's slot taken by the next prompt."""
+        if max_in_flight is not None and max_in_flight < 1:
+            raise InvalidRequestError("max_in_flight", f"must be >= 1, got {max_in_flight}")
+        in_flight = self.config.max_concurrency if max_in_flight is None else min(max_in_flight,
+                                                                                  self.config.max_concurrency)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = request_ids or [uuid.uuid4().hex for _ in prompts]
         chunks: dict[str, list[StreamChunk]] = {i: [] for i in ids}
@@ -62,7 +68,7 @@ class EngineFrontends:
 
         next_index, num_done = 0, 0
         while num_done < len(prompts):
-            while next_index < len(prompts) and self.num_unfinished() < self.config.max_concurrency:
+            while next_index < len(prompts) and self.num_unfinished() < in_flight:
                 self.add_request(prompts[next_index], params_list[next_index], speculative, ids[next_index],
                                  sink=sink_for(ids[next_index]))
                 next_index += 1

@@ -33,6 +33,13 @@ def add_parser(commands) -> None:
     bench_engine.add_argument("--groups-in-flight", type=int, default=None, metavar="N",
                               help="with --sweep: groups of 8 distinct prompts each repeat decodes in the "
                                    "8-in-flight regimes (default 4)")
+    bench_engine.add_argument("--keep-in-flight", action="store_true",
+                              help="with --sweep: the 8-in-flight regimes decode their groups' prompts as one load "
+                                   "that keeps 8 in flight (a finished request's slot goes to the next prompt), "
+                                   "not group by group, as on a replica under load")
+    bench_engine.add_argument("--no-control", action="store_true",
+                              help="with --sweep: leave out the control row (both sides of each pair target-only, "
+                                   "8 in flight: the machine's own scatter of a paired ratio)")
     bench_engine.add_argument("--plot", metavar="FILE.png",
                               help="also draw the accepted-length histogram and the per-token stage costs beside "
                                    "target-only (needs the plot extra: matplotlib)")
@@ -135,7 +142,7 @@ def _bench_kv_layouts(args, target_dir: str, draft_dir: str) -> int:
 
 def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
     from dspine.benchmarks.prompts import heldout_prompts
-    from dspine.benchmarks.sweep import GROUPS_IN_FLIGHT, bench_sweep, format_sweep
+    from dspine.benchmarks.sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, bench_sweep, format_sweep, prompt_pool_size
     from dspine.replica import Engine
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
@@ -146,12 +153,13 @@ def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
     if groups < 1:
         raise SystemExit(f"--groups-in-flight: must be >= 1, got {groups}")
     rows = bench_sweep(engine, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                       repeats=args.repeats, seed=seed, groups_in_flight=groups)
+                       repeats=args.repeats, seed=seed, groups_in_flight=groups,
+                       keep_in_flight=args.keep_in_flight, control=not args.no_control)
     served = None
     if args.through_server:
         from dspine.benchmarks.sweep_server import bench_sweep_server
 
-        pool = heldout_prompts(engine, max(args.num_prompts, 8 * groups), args.prompt_len)
+        pool = heldout_prompts(engine, prompt_pool_size(args.num_prompts, SWEEP_REGIMES, groups), args.prompt_len)
         served = bench_sweep_server(pool, num_prompts=args.num_prompts, repeats=args.repeats, seed=seed,
                                     target_dir=target_dir, draft_dir=draft_dir,
                                     sampled_draft_dir=_sampled_draft_dir(args), groups_in_flight=groups)

@@ -56,3 +56,42 @@ def test_the_table_shows_each_regimes_spread_over_its_repeats(hybrid_target):
     low, high = min(rows[0]["run_speedups"]), max(rows[0]["run_speedups"])
     assert len(rows[0]["run_speedups"]) == 2
     assert f"{low:.2f}-{high:.2f}" in format_sweep(rows)
+
+
+def test_a_regime_in_flight_decodes_group_by_group_or_as_one_load_that_keeps_its_slots_full(hybrid_target, monkeypatch):
+    """By default each group of 4 of the 4-in-flight regime is a load of its own; with
+    ``keep_in_flight`` the two groups' prompts go to the engine as one load with 4 in flight (a
+    finished request's slot goes to the next prompt)."""
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    loads: list[tuple[int, int | None]] = []
+    generate_many = engine.generate_many
+
+    def recorded(prompts, params, speculative=None, request_ids=None, max_in_flight=None):
+        loads.append((len(prompts), max_in_flight))
+        return generate_many(prompts, params, speculative, request_ids, max_in_flight)
+
+    monkeypatch.setattr(engine, "generate_many", recorded)
+    bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[2:], groups_in_flight=2)
+    assert [load for load in loads if load[0] > 1] == [(4, 4)] * 4  # two groups, both modes
+    loads.clear()
+    bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[2:], groups_in_flight=2,
+                keep_in_flight=True)
+    assert [load for load in loads if load[0] > 1] == [(8, 4), (8, 4)]  # target-only, speculative
+
+
+def test_the_control_row_decodes_both_sides_target_only(hybrid_target):
+    """The control row's "speculative" side never drafts (the policy plans no step for it), its greedy
+    outputs match, and the table's lowest line leaves it out."""
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    rows = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[:1], control=True)
+    policy = engine.scheduler.policy
+    planned_before = policy.num_decode_steps
+    control = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=(), control=True,
+                          groups_in_flight=1)
+    assert policy.num_decode_steps == planned_before  # no speculative request decoded
+    assert [row["regime"] for row in rows] == ["greedy", "control: target-only vs itself"]
+    assert control[0]["control"] and control[0]["identical_greedy_output"] is True
+    assert control[0]["drafting_share"] is None and control[0]["mean_accepted_len"] is None
+    rows[1]["speedup"] = 0.5  # even a control far below every regime is not the sweep's lowest
+    table = format_sweep(rows)
+    assert "lowest: " + f"{rows[0]['speedup']:.2f}x (greedy)" in table and "control: both sides" in table

@@ -184,3 +184,23 @@ def test_default_draft_pool_holds_every_request_at_its_largest(build, hybrid_tar
     assert [r.finish_reason for r in results] == ["length"] * 8
     assert engine.stats.peak_draft_pool_used >= 8 * 6
     assert engine.num_live_states() == IDLE
+
+
+def test_generate_many_keeps_at_most_max_in_flight_and_refills_their_slots(build, hybrid_target):
+    """Six prompts with at most 2 in flight: no step carries more than 2, every step but the last ones
+    carries 2 (a finished request's slot goes to the next prompt), and the outputs are the reference's."""
+    engine = build.engine(hybrid_target)
+    batches: list[int] = []
+    engine.add_step_observer(lambda record: batches.append(len(record.request_ids)))
+    prompts = [_prompt(512, 4, seed) for seed in range(6)]
+    lengths = [3, 9, 5, 7, 4, 6]  # uneven: requests finish at different steps
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    results = engine.generate_many(prompts, params, speculative=False, max_in_flight=2)
+    for prompt, n, result in zip(prompts, lengths, results):
+        assert result.token_ids == reference_generate(hybrid_target, prompt, n)
+    assert max(batches) == 2
+    # steps run 2 requests until the prompts run out, then the last request alone for at most its length
+    assert batches == sorted(batches, reverse=True) and batches.count(1) <= max(lengths), batches
+    with pytest.raises(InvalidRequestError, match="max_in_flight"):
+        engine.generate_many(prompts[:1], params[0], max_in_flight=0)
+    assert engine.num_live_states() == IDLE
