@@ -7,26 +7,29 @@ import statistics
 
 from .load import run_load
 from .servers import StandaloneServer
-from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts
+from .sweep import CONTROL_REGIME, GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts
 
 
 def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: int = 3, seed: int = 0, regimes=None,
                        threads: int = 2, target_dir=None, draft_dir=None, sampled_draft_dir=None,
-                       groups_in_flight: int = GROUPS_IN_FLIGHT) -> list[dict]:
+                       groups_in_flight: int = GROUPS_IN_FLIGHT, control: bool = False) -> list[dict]:
     """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
     through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
     the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
     median of the paired ratios. Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
     counters live in the server, so acceptance and drafting share are not reported). ``prompts`` is
     the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
-    several in flight, the load keeps ``concurrency`` streams open over all of them."""
-    regimes = SWEEP_REGIMES if regimes is None else regimes
+    several in flight, the load keeps ``concurrency`` streams open over all of them. ``control``: a
+    last row, :data:`~dspine.benchmarks.sweep.CONTROL_REGIME`, whose both sides stream target-only."""
+    regimes = list(SWEEP_REGIMES if regimes is None else regimes) + ([CONTROL_REGIME] if control else [])
     server = StandaloneServer(threads, 8, target_dir, draft_dir, sampled_draft_dir)
     rows = []
     try:
         asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
                              dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
-        for name, overrides, max_new_tokens, concurrency in regimes:
+        for regime in regimes:
+            name, overrides, max_new_tokens, concurrency = regime
+            is_control = control and tuple(regime) == CONTROL_REGIME
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
             rates: dict[bool, list[float]] = {False: [], True: []}
@@ -34,7 +37,7 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
             for repeat in range(repeats):
                 for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
                     report = asyncio.run(run_load(server.address, name, group, concurrency,
-                                                  {**sampling, "speculative": speculative}))
+                                                  {**sampling, "speculative": speculative and not is_control}))
                     if report.errors:
                         raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
                     rates[speculative].append(report.tokens_per_s)
@@ -45,7 +48,7 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
                          "target_only_tokens_per_s": statistics.median(rates[False]),
                          "speculative_tokens_per_s": statistics.median(rates[True]),
                          "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,
-                         "identical_greedy_output": None,
+                         "identical_greedy_output": None, "control": is_control,
                          "tokens": {"target_only": tokens[False], "speculative": tokens[True]}})
     finally:
         server.close()

@@ -29,3 +29,31 @@ def test_sweep_through_the_server_pairs_both_modes_of_every_regime():
         assert row["speedup"] == pytest.approx(statistics.median(row["run_speedups"]))
     table = format_sweep(rows)
     assert "2 in flight, temperature 0.7" in table and "lowest:" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
+    """The control row's pairs ask the server for target-only on both sides; a regime's pairs ask
+    for one of each. (The control regime is shrunk here to keep the test short.)"""
+    from dspine.benchmarks import sweep_server
+
+    control = ("control: target-only vs itself", {}, 4, 2)
+    monkeypatch.setattr(sweep_server, "CONTROL_REGIME", control)
+    asked: list[tuple[str, bool]] = []
+    run_load = sweep_server.run_load
+
+    async def recorded(address, name, prompts, concurrency, sampling, **kwargs):
+        asked.append((name, sampling["speculative"]))
+        return await run_load(address, name, prompts, concurrency, sampling, **kwargs)
+
+    monkeypatch.setattr(sweep_server, "run_load", recorded)
+    prompts = [[11, 12, 13, 14], [21, 22, 23, 24]]
+    rows = bench_sweep_server(prompts, num_prompts=2, repeats=2, regimes=REGIMES[:1], threads=1,
+                              target_dir=embedded.TARGET_DIR, draft_dir=embedded.DRAFT_DIR, groups_in_flight=1,
+                              control=True)
+    assert [row["regime"] for row in rows] == [REGIMES[0][0], control[0]]
+    assert [row["control"] for row in rows] == [False, True]
+    assert sorted(s for n, s in asked if n == REGIMES[0][0]) == [False, False, True, True]
+    assert [s for n, s in asked if n == control[0]] == [False] * 4
+    assert "control: both sides" in format_sweep(rows)
