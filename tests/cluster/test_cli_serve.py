@@ -49,17 +49,21 @@ def test_serve_standalone_and_generate_via_server(tmp_path, tokenizer_dir, capsy
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dspine_serve_starts_the_cluster_and_status_reads_it():
+def test_dspine_serve_starts_the_cluster_and_status_reads_it(tmp_path):
     from dspine_testing.ray_cluster import free_port
 
     grpc_port, http_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "dspine.cluster.cli", "serve", "--replicas", "2", "--port", str(grpc_port),
                "--http-port", str(http_port), "--max-queued", "4"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) as proc:
+    # stderr to a file (a pipe nobody reads could fill and stall Ray's start), shown if the start fails
+    stderr_path = tmp_path / "serve.stderr"
+    with stderr_path.open("w") as stderr, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                                           env=env) as proc:
         try:
             line = proc.stdout.readline()
-            assert f"cluster serving dspine.v1 on 127.0.0.1:{grpc_port}" in line, line
+            assert f"cluster serving dspine.v1 on 127.0.0.1:{grpc_port}" in line, (
+                line, stderr_path.read_text()[-3000:])
             hint = proc.stdout.readline()
             assert f"dspine generate --server 127.0.0.1:{grpc_port}" in hint, hint
             with DSpineClient(f"127.0.0.1:{grpc_port}", timeout=60) as client:
@@ -74,7 +78,7 @@ def test_dspine_serve_starts_the_cluster_and_status_reads_it():
             assert all(r["healthy"] and r["max_concurrency"] == 8 for r in report["replicas"])
         finally:
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(60) == 0
+            assert proc.wait(60) == 0, stderr_path.read_text()[-3000:]
 
 
 @pytest.mark.timeout(180)
