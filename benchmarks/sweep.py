@@ -49,6 +49,11 @@ def prompt_pool_size(num_prompts: int, regimes, groups_in_flight: int = GROUPS_I
     return max([num_prompts] + [concurrency * groups_in_flight for *_, concurrency in regimes if concurrency > 1])
 
 
+def with_control(regimes, control: bool) -> list[tuple[tuple, bool]]:
+    """``(regime, is_control)`` for each of ``regimes``, then :data:`CONTROL_REGIME` when ``control``."""
+    return [(tuple(regime), False) for regime in regimes] + ([(CONTROL_REGIME, True)] if control else [])
+
+
 def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
                 regimes=SWEEP_REGIMES, groups_in_flight: int = GROUPS_IN_FLIGHT, keep_in_flight: bool = False,
                 control: bool = False) -> list[dict]:
@@ -62,12 +67,12 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
     the next prompt as on a replica under load (its pairs are a whole load apart in time, four times
     a group's). ``control``: a last row, :data:`CONTROL_REGIME`, whose both sides decode target-only
     (with ``keep_in_flight``, as one load too)."""
-    all_regimes = list(regimes) + ([CONTROL_REGIME] if control else [])
-    prompts = heldout_prompts(engine, prompt_pool_size(num_prompts, all_regimes, groups_in_flight), prompt_len)
+    all_regimes = with_control(regimes, control)
+    prompts = heldout_prompts(engine, prompt_pool_size(num_prompts, [r for r, _ in all_regimes], groups_in_flight),
+                              prompt_len)
     policy = engine.scheduler.policy
     rows = []
-    for name, overrides, max_new_tokens, concurrency in all_regimes:
-        is_control = control and (name, overrides, max_new_tokens, concurrency) == CONTROL_REGIME
+    for (name, overrides, max_new_tokens, concurrency), is_control in all_regimes:
         params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
         group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
         steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
@@ -82,11 +87,10 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
                      "run_speedups": report.run_speedups,
                      "target_only_tokens_per_s": report.target_only_tokens_per_s,
                      "speculative_tokens_per_s": report.speculative_tokens_per_s,
-                     "mean_accepted_len": report.mean_accepted_len, "mean_verified_len": report.mean_verified_len,
+                     "mean_accepted_len": None if is_control else report.mean_accepted_len,
+                     "mean_verified_len": None if is_control else report.mean_verified_len,
                      "drafting_share": share, "identical_greedy_output": report.identical_greedy_output,
                      "control": is_control})
-        if is_control:
-            rows[-1].update(mean_accepted_len=None, mean_verified_len=None)
     return rows
 
 

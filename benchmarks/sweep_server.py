@@ -7,7 +7,7 @@ import statistics
 
 from .load import run_load
 from .servers import StandaloneServer
-from .sweep import CONTROL_REGIME, GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts
+from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts, with_control
 
 
 def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: int = 3, seed: int = 0, regimes=None,
@@ -21,15 +21,13 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
     the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
     several in flight, the load keeps ``concurrency`` streams open over all of them. ``control``: a
     last row, :data:`~dspine.benchmarks.sweep.CONTROL_REGIME`, whose both sides stream target-only."""
-    regimes = list(SWEEP_REGIMES if regimes is None else regimes) + ([CONTROL_REGIME] if control else [])
+    regimes = with_control(SWEEP_REGIMES if regimes is None else regimes, control)
     server = StandaloneServer(threads, 8, target_dir, draft_dir, sampled_draft_dir)
     rows = []
     try:
         asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
                              dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
-        for regime in regimes:
-            name, overrides, max_new_tokens, concurrency = regime
-            is_control = control and tuple(regime) == CONTROL_REGIME
+        for (name, overrides, max_new_tokens, concurrency), is_control in regimes:
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
             rates: dict[bool, list[float]] = {False: [], True: []}

@@ -36,10 +36,10 @@ def test_sweep_through_the_server_pairs_both_modes_of_every_regime():
 def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
     """The control row's pairs ask the server for target-only on both sides; a regime's pairs ask
     for one of each. (The control regime is shrunk here to keep the test short.)"""
-    from dspine.benchmarks import sweep_server
+    from dspine.benchmarks import sweep, sweep_server
 
     control = ("control: target-only vs itself", {}, 4, 2)
-    monkeypatch.setattr(sweep_server, "CONTROL_REGIME", control)
+    monkeypatch.setattr(sweep, "CONTROL_REGIME", control)
     asked: list[tuple[str, bool]] = []
     run_load = sweep_server.run_load
 
