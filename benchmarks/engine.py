@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dspine import faults
 from dspine.progress import Progress
 from dspine.replica.config import EngineConfig
 from dspine.replica.engine import Engine
@@ -41,6 +42,9 @@ class EngineBenchReport:
     identical_greedy_output: bool | None
     config: dict = field(default_factory=dict)  # the engine settings that shape the figures
     gemm_probe_us: list[float] = field(default_factory=list)  # per repeat: see gemm_probe()
+    # per repeat: the mean over its requests of admission to last token (what one user waits)
+    target_only_request_seconds: list[float] = field(default_factory=list)
+    speculative_request_seconds: list[float] = field(default_factory=list)
 
     @property
     def target_only_seconds(self) -> float:
@@ -70,6 +74,21 @@ class EngineBenchReport:
         return statistics.median(self.run_speedups)
 
     @property
+    def request_speedups(self) -> list[float]:
+        """Per repeat, target-only over speculative mean request latency (the same tokens per request).
+
+        With several requests in flight this is not :attr:`run_speedups`: a load's tokens per second
+        run to its last request's end, and speculative requests finish at different steps, so the
+        last ones decode in a thinner batch whose steps cost nearly a full one's; each user waits
+        only for their own request."""
+        return [t / s for t, s in zip(self.target_only_request_seconds, self.speculative_request_seconds) if s > 0]
+
+    @property
+    def request_speedup(self) -> float | None:
+        """Median of :attr:`request_speedups` (None before any)."""
+        return statistics.median(self.request_speedups) if self.request_speedups else None
+
+    @property
     def cost_model_speedup(self) -> float:
         """C_t / ((C_d + C_v) / tau): what the measured cycle cost and acceptance imply."""
         tau = self.mean_accepted_len + 1.0
@@ -80,7 +99,8 @@ class EngineBenchReport:
         data.update(target_only_seconds=self.target_only_seconds, speculative_seconds=self.speculative_seconds,
                     target_only_tokens_per_s=self.target_only_tokens_per_s,
                     speculative_tokens_per_s=self.speculative_tokens_per_s, run_speedups=self.run_speedups,
-                    speedup=self.speedup, cost_model_speedup=self.cost_model_speedup)
+                    speedup=self.speedup, cost_model_speedup=self.cost_model_speedup,
+                    request_speedups=self.request_speedups, request_speedup=self.request_speedup)
         return data
 
     def format(self) -> str:
@@ -96,6 +116,12 @@ class EngineBenchReport:
             f"  speculative   {self.speculative_tokens_per_s:9.1f} tok/s  ({self.speculative_tokens} tokens, "
             f"median {self.speculative_seconds:.2f} s)",
             f"  speedup       {self.speedup:9.2f}x  (median of {len(self.run_speedups)} paired runs: {runs})",
+        ]
+        if self.concurrency > 1 and self.request_speedup is not None:
+            lines.append(f"  per request   {self.request_speedup:9.2f}x  (mean latency, target-only "
+                         f"{statistics.median(self.target_only_request_seconds):.2f} s, speculative "
+                         f"{statistics.median(self.speculative_request_seconds):.2f} s)")
+        lines += [
             f"  mean accepted length {self.mean_accepted_len:.2f} (committed per cycle {self.mean_accepted_len + 1:.2f}; "
             f"verified per cycle {self.mean_verified_len:.2f})",
             f"  accepted-length histogram {self.accepted_len_histogram}",
@@ -162,6 +188,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         raise ValueError(f"load_size: must be >= concurrency ({concurrency}), got {load_size}")
     groups = [prompts[i : i + load_size] for i in range(0, len(prompts), load_size)]
     base_seconds, spec_seconds = [], []
+    base_latency, spec_latency = [], []
     base_results = spec_results = None
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
     probes = []
@@ -176,15 +203,20 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         probes.append(engine.call_on_device_thread(gemm_probe, engine.device))
         seconds = {False: 0.0, True: 0.0}
         results = {False: [], True: []}
+        latencies: dict[bool, list[float]] = {False: [], True: []}
         for g, group in enumerate(groups):
             for speculative in ((False, True) if (repeat + g) % 2 == 0 else (True, False)):
                 start = time.perf_counter()
-                results[speculative] += engine.generate_many(group, params, speculative=speculative and not control,
-                                                             max_in_flight=concurrency)
+                load = engine.generate_many(group, params, speculative=speculative and not control,
+                                            max_in_flight=concurrency)
                 seconds[speculative] += time.perf_counter() - start
+                results[speculative] += load
+                latencies[speculative] += request_latencies(load, start)
             progress.update(1)
         base_seconds.append(seconds[False])
         spec_seconds.append(seconds[True])
+        base_latency.append(statistics.fmean(latencies[False]))
+        spec_latency.append(statistics.fmean(latencies[True]))
         base_results = base_results or results[False]
         spec_results = spec_results or results[True]
         for result in results[True]:
@@ -223,4 +255,13 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         config={"verify_threshold": config.verify_threshold, "retrieval": config.retrieval_mode,
                 "threads": torch.get_num_threads()},
         gemm_probe_us=probes,
+        target_only_request_seconds=base_latency, speculative_request_seconds=spec_latency,
     )
+
+
+def request_latencies(results, load_start: float) -> list[float]:
+    """Seconds from each request's admission to its last token (``results``: one load's
+    GenerationResults; ``load_start``: when the load began, ``time.perf_counter()``)."""
+    if faults.active("bench.latency_from_load_start"):
+        return [r.stats.finish_time - load_start for r in results]
+    return [r.stats.finish_time - r.stats.arrival_time for r in results]

@@ -84,7 +84,8 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
             decode = policy.num_decode_steps - steps_before[0]
             share = (policy.num_drafting_steps - steps_before[1]) / decode if decode else 0.0
         rows.append({"regime": name, "num_requests": len(group), "speedup": report.speedup,
-                     "run_speedups": report.run_speedups,
+                     "run_speedups": report.run_speedups, "request_speedup": report.request_speedup,
+                     "request_run_speedups": report.request_speedups,
                      "target_only_tokens_per_s": report.target_only_tokens_per_s,
                      "speculative_tokens_per_s": report.speculative_tokens_per_s,
                      "mean_accepted_len": None if is_control else report.mean_accepted_len,
@@ -96,9 +97,9 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
 
 def format_sweep(rows: list[dict]) -> str:
     """The sweep as one table (ratios against target-only measured in the same run)."""
-    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11} {'accepted':>9}"
-             f" {'verified':>9} {'drafting':>9}  identical",
-             "-" * 118]
+    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11} {'per request':>11}"
+             f" {'accepted':>9} {'verified':>9} {'drafting':>9}  identical",
+             "-" * 130]
     def figure(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
@@ -108,16 +109,22 @@ def format_sweep(rows: list[dict]) -> str:
     for row in rows:
         share = "-" if row["drafting_share"] is None else f"{100 * row['drafting_share']:.0f}%"
         identical = "" if row["identical_greedy_output"] is None else str(row["identical_greedy_output"])
+        per_request = row.get("request_speedup")
+        per_request = "-" if per_request is None else f"{per_request:.2f}x"
         lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
-                     f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11}"
+                     f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11} {per_request:>11}"
                      f" {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
                      f" {share:>9}  {identical}")
     regimes = [row for row in rows if not row.get("control")] or rows
     lowest = min(regimes, key=lambda row: row["speedup"])
-    lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); ratio = median of the paired repeats, "
-                 "repeats = their lowest and highest; drafting = share of the speculative runs' decode steps that "
-                 "drafted")
-    if any(row.get("control") for row in rows):
-        lines.append("control: both sides of each pair decode target-only (8 in flight, greedy); its repeats are "
-                     "this machine's own scatter of a paired ratio")
+    lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); ratio = median of the paired repeats "
+                 "(tokens per second of each load, to its last request's end), repeats = their lowest and highest; "
+                 "per request = median of the paired ratios of mean request latency (admission to last token); "
+                 "drafting = share of the speculative runs' decode steps that drafted")
+    controls = [row for row in rows if row.get("control")]
+    if controls:
+        name, overrides, _, concurrency = CONTROL_REGIME
+        sampling = ", ".join(f"{k} {v}" for k, v in overrides.items()) or "greedy"
+        lines.append(f"control: both sides of each pair decode target-only ({concurrency} in flight, {sampling}); "
+                     "its repeats are this machine's own scatter of a paired ratio")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
             rates: dict[bool, list[float]] = {False: [], True: []}
             tokens: dict[bool, list[int]] = {False: [], True: []}
+            latencies: dict[bool, list[float]] = {False: [], True: []}  # per run: mean request latency
             for repeat in range(repeats):
                 for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
                     report = asyncio.run(run_load(server.address, name, group, concurrency,
@@ -40,9 +41,12 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
                         raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
                     rates[speculative].append(report.tokens_per_s)
                     tokens[speculative].append(report.tokens)
+                    latencies[speculative].append(statistics.fmean(report.latencies_s))
             ratios = [spec / base for spec, base in zip(rates[True], rates[False])]
+            request_ratios = [base / spec for base, spec in zip(latencies[False], latencies[True])]
             rows.append({"regime": name, "num_requests": len(group), "speedup": statistics.median(ratios),
-                         "run_speedups": ratios,
+                         "run_speedups": ratios, "request_speedup": statistics.median(request_ratios),
+                         "request_run_speedups": request_ratios,
                          "target_only_tokens_per_s": statistics.median(rates[False]),
                          "speculative_tokens_per_s": statistics.median(rates[True]),
                          "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,

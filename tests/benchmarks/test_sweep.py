@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from dspine_testing.engines import make_engine
 
+from dspine import faults
+from dspine.benchmarks.engine import EngineBenchReport, bench_engine
 from dspine.benchmarks.sweep import bench_sweep, format_sweep, regime_prompts
+from dspine.replica.sampling import SamplingParams
 
 REGIMES = (
     ("greedy", {}, 12, 1),
@@ -23,12 +27,14 @@ def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
         ratio = row["speculative_tokens_per_s"] / row["target_only_tokens_per_s"]
         assert abs(row["speedup"] - ratio) < 1e-9 * ratio  # one paired repeat: the ratio itself
         assert 0.0 <= row["drafting_share"] <= 1.0
+        assert len(row["request_run_speedups"]) == 1 and row["request_speedup"] > 0
     assert rows[0]["identical_greedy_output"] is True and rows[2]["identical_greedy_output"] is True
     assert rows[1]["identical_greedy_output"] is None  # sampled: no token-for-token claim
     table = format_sweep(rows)
     assert table.count("\n") == len(rows) + 2 and "lowest:" in table
     for row in rows:
         assert row["regime"] in table and f"{row['speedup']:.2f}x" in table
+        assert f"{row['request_speedup']:.2f}x" in table
 
 
 def test_sweep_without_the_policy_reports_no_drafting_share(hybrid_target):
@@ -95,3 +101,42 @@ def test_the_control_row_decodes_both_sides_target_only(hybrid_target):
     rows[1]["speedup"] = 0.5  # even a control far below every regime is not the sweep's lowest
     table = format_sweep(rows)
     assert "lowest: " + f"{rows[0]['speedup']:.2f}x (greedy)" in table and "control: both sides" in table
+
+
+def test_a_request_latency_runs_from_its_own_admission(hybrid_target):
+    """One load of 3 prompts decoded one at a time: each request's latency runs from its own admission,
+    so the three add up to at most the load's run time. Counted from the load's start (the fault
+    ``bench.latency_from_load_start``), the second and third would also count the wait for their slot."""
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]]
+    params = SamplingParams(max_new_tokens=12)
+
+    def latency_share(report) -> list[float]:
+        runs = report.target_only_run_seconds + report.speculative_run_seconds
+        means = report.target_only_request_seconds + report.speculative_request_seconds
+        return [len(prompts) * mean / run for mean, run in zip(means, runs)]
+
+    report = bench_engine(None, None, params, concurrency=1, engine=engine, prompts=prompts, repeats=2, load_size=3)
+    assert len(report.request_speedups) == 2
+    assert all(0.5 < share <= 1.0 for share in latency_share(report)), latency_share(report)
+    with faults.inject("bench.latency_from_load_start"):
+        report = bench_engine(None, None, params, concurrency=1, engine=engine, prompts=prompts, repeats=2,
+                              load_size=3)
+    assert all(share > 1.5 for share in latency_share(report)), latency_share(report)
+
+
+def test_the_per_request_ratio_compares_mean_latencies_not_the_loads_tokens_per_second():
+    """Two repeats whose loads took as long in both modes (ratio 1) while the speculative requests
+    finished sooner on average, as in a closed group whose last request decodes alone."""
+    report = EngineBenchReport(
+        num_prompts=8, concurrency=8, temperature=0.0, target_only_tokens=1024, speculative_tokens=1024,
+        target_only_run_seconds=[2.0, 2.0, 2.0], speculative_run_seconds=[2.0, 2.0, 2.0],
+        mean_accepted_len=1.0, mean_verified_len=2.0, accepted_len_histogram=[], stage_seconds={},
+        target_step_seconds=0.01, cycle_seconds=0.02, identical_greedy_output=True,
+        target_only_request_seconds=[2.0, 1.8, 2.0], speculative_request_seconds=[1.6, 1.8, 2.5])
+    assert report.run_speedups == [1.0, 1.0, 1.0]
+    assert report.request_speedups == pytest.approx([1.25, 1.0, 0.8])
+    assert report.request_speedup == pytest.approx(1.0)
+    assert "per request        1.00x" in report.format()
+    single = EngineBenchReport(**{**report.__dict__, "concurrency": 1})
+    assert "per request" not in single.format()  # one at a time: the same figure as the speedup
