@@ -121,9 +121,8 @@ def format_sweep(rows: list[dict]) -> str:
                  "(tokens per second of each load, to its last request's end), repeats = their lowest and highest; "
                  "per request = median of the paired ratios of mean request latency (admission to last token); "
                  "drafting = share of the speculative runs' decode steps that drafted")
-    controls = [row for row in rows if row.get("control")]
-    if controls:
-        name, overrides, _, concurrency = CONTROL_REGIME
+    if any(row.get("control") for row in rows):
+        _, overrides, _, concurrency = CONTROL_REGIME
         sampling = ", ".join(f"{k} {v}" for k, v in overrides.items()) or "greedy"
         lines.append(f"control: both sides of each pair decode target-only ({concurrency} in flight, {sampling}); "
                      "its repeats are this machine's own scatter of a paired ratio")

@@ -126,8 +126,9 @@ def test_a_request_latency_runs_from_its_own_admission(hybrid_target):
 
 
 def test_the_per_request_ratio_compares_mean_latencies_not_the_loads_tokens_per_second():
-    """Two repeats whose loads took as long in both modes (ratio 1) while the speculative requests
-    finished sooner on average, as in a closed group whose last request decodes alone."""
+    """Three repeats whose loads took as long in both modes (ratio 1) while the speculative requests
+    finished sooner on average in one, as soon in one and later in one: the per-request ratio is
+    read from the mean latencies alone."""
     report = EngineBenchReport(
         num_prompts=8, concurrency=8, temperature=0.0, target_only_tokens=1024, speculative_tokens=1024,
         target_only_run_seconds=[2.0, 2.0, 2.0], speculative_run_seconds=[2.0, 2.0, 2.0],
