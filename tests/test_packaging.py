@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,11 +33,18 @@ def test_every_package_folder_is_listed():
 
 @pytest.mark.parametrize("name", ["kernels", "cluster", "replica", "protos"])
 def test_generic_top_level_names_are_not_ours(name, tmp_path):
-    # run from elsewhere: from the repository root, `python -c` would see the folders themselves
-    code = (f"import importlib.util, sys; spec = importlib.util.find_spec({name!r}); "
-            f"print(spec.origin if spec else 'none')")
+    # A third-party package may own the name (transformers>=5.25 installs Hugging Face's `kernels`,
+    # into a venv that CI keeps inside the repository), so the test asks who owns the module, not
+    # only where it lies: not our source folder, and not a top-level name our distribution installs.
+    # Run from elsewhere: from the repository root, `python -c` would see the folders themselves.
+    code = (f"import importlib.metadata, importlib.util, json; spec = importlib.util.find_spec({name!r}); "
+            f"owners = importlib.metadata.packages_distributions().get({name!r}, []); "
+            f"print(json.dumps([spec.origin if spec else None, owners]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert str(ROOT) not in out.stdout
+    origin, owners = json.loads(out.stdout)
+    assert "dspine-serve" not in owners and "dspine_serve" not in owners, f"dspine-serve installs a top-level {name!r}"
+    if origin is not None:
+        assert not Path(origin).resolve().is_relative_to(ROOT / name), f"{name!r} resolves to our folder: {origin}"
 
 
 FORBIDDEN = {"replica": ("ray", "grpc", "opentelemetry", "transformers"),
