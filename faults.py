@@ -129,6 +129,9 @@ BENCH_FAULTS: dict[str, str] = {
     # tests/benchmarks/test_sweep.py::test_a_request_latency_runs_from_its_own_admission
     "bench.latency_from_load_start": "a request's latency in bench engine runs from its load's start, not from "
                                      "its own admission (a request that waited for a slot counts the wait)",
+    # tests/benchmarks/test_paired.py::test_the_interval_covers_the_true_ratio_about_as_often_as_it_claims
+    "bench.bootstrap_unpaired": "the bootstrap interval resamples the target-only and speculative sides apart, "
+                                "so the machine's drift that pairing cancels widens the interval again",
 }
 
 _active: frozenset[str] = frozenset()

@@ -19,6 +19,7 @@ from dspine.replica.sampling import SamplingParams
 from dspine.replica.step_stats import StepRecord, write_chrome_trace
 from dspine.replica.types import SpecDecodingStats, StageTimes
 
+from .paired import Pair, bootstrap_interval
 from .prompts import heldout_prompts
 
 
@@ -45,6 +46,8 @@ class EngineBenchReport:
     # per repeat: the mean over its requests of admission to last token (what one user waits)
     target_only_request_seconds: list[float] = field(default_factory=list)
     speculative_request_seconds: list[float] = field(default_factory=list)
+    # every paired group of every repeat, both modes adjacent in time: what the interval resamples
+    pairs: list[Pair] = field(default_factory=list)
 
     @property
     def target_only_seconds(self) -> float:
@@ -89,6 +92,11 @@ class EngineBenchReport:
         return statistics.median(self.request_speedups) if self.request_speedups else None
 
     @property
+    def interval(self) -> tuple[float, float] | None:
+        """The 95% bootstrap interval of the pooled ratio over :attr:`pairs` (None without pairs)."""
+        return bootstrap_interval(self.pairs) if self.pairs else None
+
+    @property
     def cost_model_speedup(self) -> float:
         """C_t / ((C_d + C_v) / tau): what the measured cycle cost and acceptance imply."""
         tau = self.mean_accepted_len + 1.0
@@ -100,7 +108,8 @@ class EngineBenchReport:
                     target_only_tokens_per_s=self.target_only_tokens_per_s,
                     speculative_tokens_per_s=self.speculative_tokens_per_s, run_speedups=self.run_speedups,
                     speedup=self.speedup, cost_model_speedup=self.cost_model_speedup,
-                    request_speedups=self.request_speedups, request_speedup=self.request_speedup)
+                    request_speedups=self.request_speedups, request_speedup=self.request_speedup,
+                    interval=self.interval)
         return data
 
     def format(self) -> str:
@@ -117,6 +126,10 @@ class EngineBenchReport:
             f"median {self.speculative_seconds:.2f} s)",
             f"  speedup       {self.speedup:9.2f}x  (median of {len(self.run_speedups)} paired runs: {runs})",
         ]
+        if self.interval is not None:
+            low, high = self.interval
+            lines.append(f"  95% interval  {low:.2f}-{high:.2f}   (bootstrap over {len(self.pairs)} paired groups "
+                         "of their pooled ratio)")
         if self.concurrency > 1 and self.request_speedup is not None:
             lines.append(f"  per request   {self.request_speedup:9.2f}x  (mean latency, target-only "
                          f"{statistics.median(self.target_only_request_seconds):.2f} s, speculative "
@@ -190,6 +203,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     base_seconds, spec_seconds = [], []
     base_latency, spec_latency = [], []
     base_results = spec_results = None
+    pairs: list[Pair] = []
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
     probes = []
     records: list[StepRecord] = []
@@ -205,13 +219,17 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         results = {False: [], True: []}
         latencies: dict[bool, list[float]] = {False: [], True: []}
         for g, group in enumerate(groups):
+            group_seconds, group_tokens = {}, {}
             for speculative in ((False, True) if (repeat + g) % 2 == 0 else (True, False)):
                 start = time.perf_counter()
                 load = engine.generate_many(group, params, speculative=speculative and not control,
                                             max_in_flight=concurrency)
-                seconds[speculative] += time.perf_counter() - start
+                group_seconds[speculative] = time.perf_counter() - start
+                group_tokens[speculative] = sum(len(r.token_ids) for r in load)
+                seconds[speculative] += group_seconds[speculative]
                 results[speculative] += load
                 latencies[speculative] += request_latencies(load, start)
+            pairs.append(Pair(group_seconds[False], group_seconds[True], group_tokens[False], group_tokens[True]))
             progress.update(1)
         base_seconds.append(seconds[False])
         spec_seconds.append(seconds[True])
@@ -256,6 +274,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
                 "threads": torch.get_num_threads()},
         gemm_probe_us=probes,
         target_only_request_seconds=base_latency, speculative_request_seconds=spec_latency,
+        pairs=pairs,
     )
 
 

@@ -6,6 +6,7 @@ from dspine.replica.engine import Engine
 from dspine.replica.sampling import SamplingParams
 
 from .engine import bench_engine
+from .paired import floor_verdict
 from .prompts import heldout_prompts
 
 
@@ -31,6 +32,11 @@ GROUPS_IN_FLIGHT = 4
 # target-only. Its ratio should be 1; its spread is what this machine's drift alone does to a
 # paired ratio in the same run, the yardstick for a regime a few percent from 1.
 CONTROL_REGIME = ("control: target-only vs itself", {}, 128, 8)
+
+
+# The ratio below which speculation is held to cost a regime throughput: the adaptive policy's floor.
+# The table says which regimes' intervals lie wholly under it, wholly over it, or straddle it.
+SPEED_FLOOR = 0.97
 
 
 def regime_prompts(prompts: list[list[int]], num_prompts: int, concurrency: int,
@@ -91,20 +97,24 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
                      "mean_accepted_len": None if is_control else report.mean_accepted_len,
                      "mean_verified_len": None if is_control else report.mean_verified_len,
                      "drafting_share": share, "identical_greedy_output": report.identical_greedy_output,
-                     "control": is_control})
+                     "interval": report.interval, "num_pairs": len(report.pairs), "control": is_control})
     return rows
 
 
 def format_sweep(rows: list[dict]) -> str:
     """The sweep as one table (ratios against target-only measured in the same run)."""
-    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11} {'per request':>11}"
-             f" {'accepted':>9} {'verified':>9} {'drafting':>9}  identical",
-             "-" * 130]
+    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11}"
+             f" {'95% interval':>13} {'per request':>11} {'accepted':>9} {'verified':>9} {'drafting':>9}  identical",
+             "-" * 144]
     def figure(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
     def spread(ratios) -> str:
         return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
+
+    def interval(row) -> str:
+        bounds = row.get("interval")
+        return "-" if bounds is None or row.get("num_pairs", 0) < 2 else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
 
     for row in rows:
         share = "-" if row["drafting_share"] is None else f"{100 * row['drafting_share']:.0f}%"
@@ -112,15 +122,25 @@ def format_sweep(rows: list[dict]) -> str:
         per_request = row.get("request_speedup")
         per_request = "-" if per_request is None else f"{per_request:.2f}x"
         lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
-                     f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11} {per_request:>11}"
+                     f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11} {interval(row):>13}"
+                     f" {per_request:>11}"
                      f" {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"
                      f" {share:>9}  {identical}")
     regimes = [row for row in rows if not row.get("control")] or rows
     lowest = min(regimes, key=lambda row: row["speedup"])
     lines.append(f"lowest: {lowest['speedup']:.2f}x ({lowest['regime']}); ratio = median of the paired repeats "
                  "(tokens per second of each load, to its last request's end), repeats = their lowest and highest; "
+                 "95% interval = bootstrap over the paired groups of their pooled ratio; "
                  "per request = median of the paired ratios of mean request latency (admission to last token); "
                  "drafting = share of the speculative runs' decode steps that drafted")
+    verdicts: dict[str, list[str]] = {}
+    for row in regimes:
+        if row.get("interval") is not None and row.get("num_pairs", 0) >= 2 and not row.get("control"):
+            verdicts.setdefault(floor_verdict(row["interval"], SPEED_FLOOR), []).append(row["regime"])
+    if verdicts:
+        names = {"below": "below it", "undecided": "cannot be told from it", "above": "at or above it"}
+        lines.append(f"floor {SPEED_FLOOR:.2f}x by the 95% intervals: " + "; ".join(
+            f"{names[v]}: {', '.join(verdicts[v])}" for v in ("below", "undecided", "above") if v in verdicts))
     if any(row.get("control") for row in rows):
         _, overrides, _, concurrency = CONTROL_REGIME
         sampling = ", ".join(f"{k} {v}" for k, v in overrides.items()) or "greedy"

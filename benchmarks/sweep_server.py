@@ -6,6 +6,7 @@ import asyncio
 import statistics
 
 from .load import run_load
+from .paired import Pair, bootstrap_interval
 from .servers import StandaloneServer
 from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts, with_control
 
@@ -16,7 +17,8 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
     """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
     through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
     the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
-    median of the paired ratios. Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
+    median of the paired ratios, the interval a bootstrap over the repeats' pairs (a pair is a whole
+    load here, so with few repeats the interval is little more than their spread). Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
     counters live in the server, so acceptance and drafting share are not reported). ``prompts`` is
     the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
     several in flight, the load keeps ``concurrency`` streams open over all of them. ``control``: a
@@ -30,7 +32,7 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
         for (name, overrides, max_new_tokens, concurrency), is_control in regimes:
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
-            rates: dict[bool, list[float]] = {False: [], True: []}
+            seconds: dict[bool, list[float]] = {False: [], True: []}
             tokens: dict[bool, list[int]] = {False: [], True: []}
             latencies: dict[bool, list[float]] = {False: [], True: []}  # per run: mean request latency
             for repeat in range(repeats):
@@ -39,18 +41,22 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
                                                   {**sampling, "speculative": speculative and not is_control}))
                     if report.errors:
                         raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
-                    rates[speculative].append(report.tokens_per_s)
+                    seconds[speculative].append(report.wall_s)
                     tokens[speculative].append(report.tokens)
                     latencies[speculative].append(statistics.fmean(report.latencies_s))
-            ratios = [spec / base for spec, base in zip(rates[True], rates[False])]
+            pairs = [Pair(*sides) for sides in zip(seconds[False], seconds[True], tokens[False], tokens[True])]
+            ratios = [pair.ratio for pair in pairs]
             request_ratios = [base / spec for base, spec in zip(latencies[False], latencies[True])]
             rows.append({"regime": name, "num_requests": len(group), "speedup": statistics.median(ratios),
                          "run_speedups": ratios, "request_speedup": statistics.median(request_ratios),
                          "request_run_speedups": request_ratios,
-                         "target_only_tokens_per_s": statistics.median(rates[False]),
-                         "speculative_tokens_per_s": statistics.median(rates[True]),
+                         "target_only_tokens_per_s": statistics.median(p.target_only_tokens / p.target_only_seconds
+                                                                       for p in pairs),
+                         "speculative_tokens_per_s": statistics.median(p.speculative_tokens / p.speculative_seconds
+                                                                       for p in pairs),
                          "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,
-                         "identical_greedy_output": None, "control": is_control,
+                         "identical_greedy_output": None, "interval": bootstrap_interval(pairs),
+                         "num_pairs": len(pairs), "control": is_control,
                          "tokens": {"target_only": tokens[False], "speculative": tokens[True]}})
     finally:
         server.close()

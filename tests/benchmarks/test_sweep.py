@@ -28,13 +28,16 @@ def test_sweep_reports_every_regime_with_same_run_ratios(hybrid_target):
         assert abs(row["speedup"] - ratio) < 1e-9 * ratio  # one paired repeat: the ratio itself
         assert 0.0 <= row["drafting_share"] <= 1.0
         assert len(row["request_run_speedups"]) == 1 and row["request_speedup"] > 0
+        # a pair per group: 2 prompts one at a time, 2 groups of 4 in flight
+        assert row["num_pairs"] == 2 and row["interval"][0] <= row["interval"][1]
     assert rows[0]["identical_greedy_output"] is True and rows[2]["identical_greedy_output"] is True
     assert rows[1]["identical_greedy_output"] is None  # sampled: no token-for-token claim
     table = format_sweep(rows)
-    assert table.count("\n") == len(rows) + 2 and "lowest:" in table
+    assert table.count("\n") == len(rows) + 3 and "lowest:" in table and "floor 0.97x by the 95% intervals" in table
     for row in rows:
         assert row["regime"] in table and f"{row['speedup']:.2f}x" in table
         assert f"{row['request_speedup']:.2f}x" in table
+        assert f"{row['interval'][0]:.2f}-{row['interval'][1]:.2f}" in table
 
 
 def test_sweep_without_the_policy_reports_no_drafting_share(hybrid_target):
@@ -141,3 +144,28 @@ def test_the_per_request_ratio_compares_mean_latencies_not_the_loads_tokens_per_
     assert "per request        1.00x" in report.format()
     single = EngineBenchReport(**{**report.__dict__, "concurrency": 1})
     assert "per request" not in single.format()  # one at a time: the same figure as the speedup
+
+
+def test_the_interval_is_over_every_paired_group_and_the_floor_line_reads_it(hybrid_target):
+    """Two repeats of two groups of 4 in flight: four pairs, each a group's two modes, whose pooled ratio
+    lies in the interval; the floor line puts each regime by its interval (below, undecided, above)."""
+    from dspine.benchmarks.paired import pooled_ratio
+
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    report = bench_engine(None, None, SamplingParams(max_new_tokens=8), concurrency=4, engine=engine,
+                          prompts=[[3 + i, 4, 5, 6] for i in range(8)], repeats=2)
+    assert len(report.pairs) == 4 and all(p.target_only_tokens == p.speculative_tokens == 32 for p in report.pairs)
+    # each repeat's two groups add up to its run seconds on each side
+    assert sum(p.target_only_seconds for p in report.pairs) == pytest.approx(sum(report.target_only_run_seconds))
+    low, high = report.interval
+    assert low <= pooled_ratio(report.pairs) <= high
+    assert f"95% interval  {low:.2f}-{high:.2f}" in report.format()
+    row = {"regime": "r", "target_only_tokens_per_s": 1.0, "speculative_tokens_per_s": 1.0, "speedup": 1.0,
+           "run_speedups": [1.0, 1.0], "request_speedup": 1.0, "mean_accepted_len": 1.0, "mean_verified_len": 1.0,
+           "drafting_share": 0.5, "identical_greedy_output": None, "num_pairs": 8}
+    rows = [{**row, "regime": "slow", "interval": (0.90, 0.95)}, {**row, "regime": "close", "interval": (0.95, 1.0)},
+            {**row, "regime": "fast", "interval": (1.2, 1.4)}, {**row, "regime": "one pair", "interval": (0.5, 0.5),
+                                                                 "num_pairs": 1}]
+    floor_line = format_sweep(rows).splitlines()[-1]
+    assert floor_line == ("floor 0.97x by the 95% intervals: below it: slow; cannot be told from it: close; "
+                          "at or above it: fast")

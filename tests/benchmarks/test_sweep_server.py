@@ -27,6 +27,10 @@ def test_sweep_through_the_server_pairs_both_modes_of_every_regime():
         assert row["tokens"] == {"target_only": [group * new_tokens] * 2, "speculative": [group * new_tokens] * 2}
         assert len(row["run_speedups"]) == 2 and all(r > 0 for r in row["run_speedups"])
         assert row["speedup"] == pytest.approx(statistics.median(row["run_speedups"]))
+        # a pair per repeat; any pooled ratio of them lies between their lowest and highest ratio
+        low, high = row["interval"]
+        assert row["num_pairs"] == 2
+        assert min(row["run_speedups"]) - 1e-9 <= low <= high <= max(row["run_speedups"]) + 1e-9
         assert len(row["request_run_speedups"]) == 2 and all(r > 0 for r in row["request_run_speedups"])
         assert row["request_speedup"] == pytest.approx(statistics.median(row["request_run_speedups"]))
     table = format_sweep(rows)
