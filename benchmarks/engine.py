@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -32,8 +33,9 @@ class EngineBenchReport:
     temperature: float
     target_only_tokens: int  # per run
     speculative_tokens: int  # per run
-    target_only_run_seconds: list[float]  # one entry per repeat
-    speculative_run_seconds: list[float]
+    # per repeat, its paired groups (both modes of the same prompts, adjacent in time): the run
+    # times and the interval are read from these
+    repeat_pairs: list[list[Pair]]
     mean_accepted_len: float
     mean_verified_len: float  # draft tokens verified per cycle (dynamic verification: <= block - 1)
     accepted_len_histogram: list[int]  # cycles of one speculative run
@@ -46,8 +48,21 @@ class EngineBenchReport:
     # per repeat: the mean over its requests of admission to last token (what one user waits)
     target_only_request_seconds: list[float] = field(default_factory=list)
     speculative_request_seconds: list[float] = field(default_factory=list)
-    # every paired group of every repeat, both modes adjacent in time: what the interval resamples
-    pairs: list[Pair] = field(default_factory=list)
+
+    @property
+    def pairs(self) -> list[Pair]:
+        """Every paired group of every repeat: what the interval resamples."""
+        return [pair for pairs in self.repeat_pairs for pair in pairs]
+
+    @property
+    def target_only_run_seconds(self) -> list[float]:
+        """Per repeat, the target-only side's seconds over all its groups."""
+        return [sum(p.target_only_seconds for p in pairs) for pairs in self.repeat_pairs]
+
+    @property
+    def speculative_run_seconds(self) -> list[float]:
+        """Per repeat, the speculative side's seconds over all its groups."""
+        return [sum(p.speculative_seconds for p in pairs) for pairs in self.repeat_pairs]
 
     @property
     def target_only_seconds(self) -> float:
@@ -91,9 +106,10 @@ class EngineBenchReport:
         """Median of :attr:`request_speedups` (None before any)."""
         return statistics.median(self.request_speedups) if self.request_speedups else None
 
-    @property
+    @cached_property
     def interval(self) -> tuple[float, float] | None:
-        """The 95% bootstrap interval of the pooled ratio over :attr:`pairs` (None without pairs)."""
+        """The 95% bootstrap interval of the pooled ratio over :attr:`pairs` (None without pairs;
+        computed once: 2,000 resamples are read by the table, the text and the JSON)."""
         return bootstrap_interval(self.pairs) if self.pairs else None
 
     @property
@@ -104,7 +120,9 @@ class EngineBenchReport:
 
     def as_dict(self) -> dict:
         data = asdict(self)
-        data.update(target_only_seconds=self.target_only_seconds, speculative_seconds=self.speculative_seconds,
+        data.update(target_only_run_seconds=self.target_only_run_seconds,
+                    speculative_run_seconds=self.speculative_run_seconds,
+                    target_only_seconds=self.target_only_seconds, speculative_seconds=self.speculative_seconds,
                     target_only_tokens_per_s=self.target_only_tokens_per_s,
                     speculative_tokens_per_s=self.speculative_tokens_per_s, run_speedups=self.run_speedups,
                     speedup=self.speedup, cost_model_speedup=self.cost_model_speedup,
@@ -200,10 +218,9 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     if load_size < concurrency:
         raise ValueError(f"load_size: must be >= concurrency ({concurrency}), got {load_size}")
     groups = [prompts[i : i + load_size] for i in range(0, len(prompts), load_size)]
-    base_seconds, spec_seconds = [], []
+    repeat_pairs: list[list[Pair]] = []
     base_latency, spec_latency = [], []
     base_results = spec_results = None
-    pairs: list[Pair] = []
     stages, cycles, target_step, base_steps = StageTimes(), 0, 0.0, 0
     probes = []
     records: list[StepRecord] = []
@@ -215,7 +232,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
             engine.remove_step_observer(records.append)
         # On the engine's thread: a parallel op on a second thread would slow both (device_thread.py).
         probes.append(engine.call_on_device_thread(gemm_probe, engine.device))
-        seconds = {False: 0.0, True: 0.0}
+        pairs: list[Pair] = []
         results = {False: [], True: []}
         latencies: dict[bool, list[float]] = {False: [], True: []}
         for g, group in enumerate(groups):
@@ -226,13 +243,11 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
                                             max_in_flight=concurrency)
                 group_seconds[speculative] = time.perf_counter() - start
                 group_tokens[speculative] = sum(len(r.token_ids) for r in load)
-                seconds[speculative] += group_seconds[speculative]
                 results[speculative] += load
                 latencies[speculative] += request_latencies(load, start)
             pairs.append(Pair(group_seconds[False], group_seconds[True], group_tokens[False], group_tokens[True]))
             progress.update(1)
-        base_seconds.append(seconds[False])
-        spec_seconds.append(seconds[True])
+        repeat_pairs.append(pairs)
         base_latency.append(statistics.fmean(latencies[False]))
         spec_latency.append(statistics.fmean(latencies[True]))
         base_results = base_results or results[False]
@@ -260,7 +275,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
         num_prompts=len(prompts), concurrency=concurrency, temperature=params.temperature,
         target_only_tokens=sum(len(r.token_ids) for r in base_results),
         speculative_tokens=sum(len(r.token_ids) for r in spec_results),
-        target_only_run_seconds=base_seconds, speculative_run_seconds=spec_seconds,
+        repeat_pairs=repeat_pairs,
         mean_accepted_len=spec.mean_accepted_len,
         mean_verified_len=spec.num_draft_tokens / max(1, spec.num_cycles),
         accepted_len_histogram=spec.accepted_len_histogram,
@@ -274,7 +289,6 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
                 "threads": torch.get_num_threads()},
         gemm_probe_us=probes,
         target_only_request_seconds=base_latency, speculative_request_seconds=spec_latency,
-        pairs=pairs,
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from dspine import faults
 
-__all__ = ["Pair", "pooled_ratio", "bootstrap_interval", "floor_verdict", "FLOOR_VERDICTS"]
+__all__ = ["Pair", "pooled_ratio", "bootstrap_interval", "floor_verdict"]
 
 # Resamples of the bootstrap: 2,000 puts a 95% interval's ends within about 0.002 of their limit
 # for the 20-80 pairs a sweep cell holds, in tens of milliseconds.
@@ -73,19 +73,18 @@ def bootstrap_interval(pairs: Sequence[Pair], confidence: float = 0.95, resample
     statistics = []
     for _ in range(resamples):
         picks = [pairs[rng.randrange(n)] for _ in range(n)]
-        # the fault: each side drawn on its own, as if the two modes had run at unrelated times
-        others = [pairs[rng.randrange(n)] for _ in range(n)] if unpaired else picks
-        target_only = sum(p.target_only_tokens for p in picks) / sum(p.target_only_seconds for p in picks)
-        speculative = sum(p.speculative_tokens for p in others) / sum(p.speculative_seconds for p in others)
-        statistics.append(speculative / target_only)
+        if unpaired:  # the fault: each side drawn on its own, as if the two modes ran at unrelated times
+            others = [pairs[rng.randrange(n)] for _ in range(n)]
+            target_only = sum(p.target_only_tokens for p in picks) / sum(p.target_only_seconds for p in picks)
+            speculative = sum(p.speculative_tokens for p in others) / sum(p.speculative_seconds for p in others)
+            statistics.append(speculative / target_only)
+        else:
+            statistics.append(pooled_ratio(picks))
     statistics.sort()
     tail = (1.0 - confidence) / 2.0
     low = statistics[min(resamples - 1, int(tail * resamples))]
     high = statistics[max(0, min(resamples - 1, int((1.0 - tail) * resamples) - 1))]
     return low, high
-
-
-FLOOR_VERDICTS = ("below", "above", "undecided")
 
 
 def floor_verdict(interval: tuple[float, float], floor: float) -> str:

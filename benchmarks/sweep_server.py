@@ -18,8 +18,9 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
     through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
     the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
     median of the paired ratios, the interval a bootstrap over the repeats' pairs (a pair is a whole
-    load here, so with few repeats the interval is little more than their spread). Rows as :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's
-    counters live in the server, so acceptance and drafting share are not reported). ``prompts`` is
+    load here, so with few repeats the interval is little more than their spread). Rows as
+    :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's counters live in the server, so
+    acceptance and drafting share are not reported). ``prompts`` is
     the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
     several in flight, the load keeps ``concurrency`` streams open over all of them. ``control``: a
     last row, :data:`~dspine.benchmarks.sweep.CONTROL_REGIME`, whose both sides stream target-only."""

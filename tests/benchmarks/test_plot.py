@@ -9,12 +9,13 @@ import pytest
 from dspine.benchmarks.plot import PlotUnavailableError, plot_engine_bench, require_pyplot
 from dspine.cluster.cli import main
 from dspine.benchmarks.engine import EngineBenchReport
+from dspine.benchmarks.paired import Pair
 
 
 def _report() -> EngineBenchReport:
     return EngineBenchReport(
         num_prompts=2, concurrency=1, temperature=0.0, target_only_tokens=64, speculative_tokens=64,
-        target_only_run_seconds=[1.0], speculative_run_seconds=[0.5], mean_accepted_len=3.0, mean_verified_len=15.0,
+        repeat_pairs=[[Pair(1.0, 0.5, 64, 64)]], mean_accepted_len=3.0, mean_verified_len=15.0,
         accepted_len_histogram=[4, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6],
         stage_seconds={"draft": 0.004, "tail": 0.002, "verify": 0.008, "commit": 0.002},
         target_step_seconds=0.006, cycle_seconds=0.016, identical_greedy_output=True, config={})
