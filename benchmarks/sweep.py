@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from dspine.replica.engine import Engine
 from dspine.replica.sampling import SamplingParams
 
@@ -10,14 +12,29 @@ from .paired import floor_verdict
 from .prompts import heldout_prompts
 
 
-# The regimes of ``dspine bench engine --sweep``: (name, sampling overrides, max_new_tokens, concurrency).
+class Regime(NamedTuple):
+    """One row of ``dspine bench engine --sweep``: what its requests ask and how many run at once."""
+
+    name: str
+    overrides: dict  # sampling parameters beside max_new_tokens
+    max_new_tokens: int
+    concurrency: int
+    # With several in flight: the groups' prompts as one load whose freed slots go to the next
+    # prompt (a replica under load), instead of closed groups that each run to their last request.
+    refilled: bool = False
+
+
+# The regimes of ``dspine bench engine --sweep``. The two 8-in-flight greedy rows read the same
+# prompts two ways: closed groups (the speculative side ends each group in a thinner batch, its
+# requests finishing at different steps) and one refilled load, where no group has an end.
 SWEEP_REGIMES = (
-    ("greedy, 128 new tokens", {}, 128, 1),
-    ("greedy, first 48 new tokens", {}, 48, 1),
-    ("temperature 0.7", {"temperature": 0.7}, 128, 1),
-    ("temperature 0.7, top-p 0.9", {"temperature": 0.7, "top_p": 0.9}, 128, 1),
-    ("8 in flight, greedy", {}, 128, 8),
-    ("8 in flight, temperature 0.7", {"temperature": 0.7}, 128, 8),
+    Regime("greedy, 128 new tokens", {}, 128, 1),
+    Regime("greedy, first 48 new tokens", {}, 48, 1),
+    Regime("temperature 0.7", {"temperature": 0.7}, 128, 1),
+    Regime("temperature 0.7, top-p 0.9", {"temperature": 0.7, "top_p": 0.9}, 128, 1),
+    Regime("8 in flight, greedy", {}, 128, 8),
+    Regime("8 in flight, greedy, refilled", {}, 128, 8, refilled=True),
+    Regime("8 in flight, temperature 0.7", {"temperature": 0.7}, 128, 8),
 )
 
 
@@ -31,7 +48,7 @@ GROUPS_IN_FLIGHT = 4
 # The sweep's control row: the 8-in-flight greedy regime with both sides of every pair decoding
 # target-only. Its ratio should be 1; its spread is what this machine's drift alone does to a
 # paired ratio in the same run, the yardstick for a regime a few percent from 1.
-CONTROL_REGIME = ("control: target-only vs itself", {}, 128, 8)
+CONTROL_REGIME = Regime("control: target-only vs itself", {}, 128, 8)
 
 
 # The ratio below which speculation is held to cost a regime throughput: the adaptive policy's floor.
@@ -52,12 +69,14 @@ def regime_prompts(prompts: list[list[int]], num_prompts: int, concurrency: int,
 
 def prompt_pool_size(num_prompts: int, regimes, groups_in_flight: int = GROUPS_IN_FLIGHT) -> int:
     """Distinct prompts the regimes draw from (:func:`regime_prompts`): enough for the widest one."""
-    return max([num_prompts] + [concurrency * groups_in_flight for *_, concurrency in regimes if concurrency > 1])
+    concurrencies = [Regime(*regime).concurrency for regime in regimes]
+    return max([num_prompts] + [concurrency * groups_in_flight for concurrency in concurrencies if concurrency > 1])
 
 
-def with_control(regimes, control: bool) -> list[tuple[tuple, bool]]:
-    """``(regime, is_control)`` for each of ``regimes``, then :data:`CONTROL_REGIME` when ``control``."""
-    return [(tuple(regime), False) for regime in regimes] + ([(CONTROL_REGIME, True)] if control else [])
+def with_control(regimes, control: bool) -> list[tuple[Regime, bool]]:
+    """``(regime, is_control)`` for each of ``regimes`` (a :class:`Regime` or its fields as a tuple),
+    then :data:`CONTROL_REGIME` when ``control``."""
+    return [(Regime(*regime), False) for regime in regimes] + ([(Regime(*CONTROL_REGIME), True)] if control else [])
 
 
 def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
@@ -69,20 +88,23 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
     ``groups_in_flight`` groups of distinct prompts (:func:`regime_prompts`), each group's requests
     starting together and running to the last one's end, both modes of a group adjacent in time (the
     speculative side ends each group in a thinner batch: its requests finish at different steps).
-    ``keep_in_flight``: the groups' prompts are one load instead, a finished request's slot going to
-    the next prompt as on a replica under load (its pairs are a whole load apart in time, four times
-    a group's). ``control``: a last row, :data:`CONTROL_REGIME`, whose both sides decode target-only
+    ``keep_in_flight``: every such regime's groups are one load instead, a finished request's slot
+    going to the next prompt as on a replica under load (its pairs are a whole load apart in time,
+    four times a group's), as a :attr:`Regime.refilled` regime always is (left out here: it would
+    repeat its closed twin). ``control``: a last row, :data:`CONTROL_REGIME`, whose both sides decode target-only
     (with ``keep_in_flight``, as one load too)."""
     all_regimes = with_control(regimes, control)
     prompts = heldout_prompts(engine, prompt_pool_size(num_prompts, [r for r, _ in all_regimes], groups_in_flight),
                               prompt_len)
     policy = engine.scheduler.policy
     rows = []
-    for (name, overrides, max_new_tokens, concurrency), is_control in all_regimes:
+    if keep_in_flight:
+        all_regimes = [(regime, is_control) for regime, is_control in all_regimes if not regime.refilled]
+    for (name, overrides, max_new_tokens, concurrency, refilled), is_control in all_regimes:
         params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
         group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
         steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
-        load_size = len(group) if keep_in_flight and concurrency > 1 else concurrency
+        load_size = len(group) if (keep_in_flight or refilled) and concurrency > 1 else concurrency
         report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
                               repeats=repeats, load_size=load_size, control=is_control)
         share = None
@@ -142,7 +164,8 @@ def format_sweep(rows: list[dict]) -> str:
         lines.append(f"floor {SPEED_FLOOR:.2f}x by the 95% intervals: " + "; ".join(
             f"{names[v]}: {', '.join(verdicts[v])}" for v in ("below", "undecided", "above") if v in verdicts))
     if any(row.get("control") for row in rows):
-        _, overrides, _, concurrency = CONTROL_REGIME
+        control_regime = Regime(*CONTROL_REGIME)
+        overrides, concurrency = control_regime.overrides, control_regime.concurrency
         sampling = ", ".join(f"{k} {v}" for k, v in overrides.items()) or "greedy"
         lines.append(f"control: both sides of each pair decode target-only ({concurrency} in flight, {sampling}); "
                      "its repeats are this machine's own scatter of a paired ratio")

@@ -22,15 +22,19 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
     :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's counters live in the server, so
     acceptance and drafting share are not reported). ``prompts`` is
     the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
-    several in flight, the load keeps ``concurrency`` streams open over all of them. ``control``: a
+    several in flight, the load keeps ``concurrency`` streams open over all of them (so refilled
+    regimes are left out). ``control``: a
     last row, :data:`~dspine.benchmarks.sweep.CONTROL_REGIME`, whose both sides stream target-only."""
-    regimes = with_control(SWEEP_REGIMES if regimes is None else regimes, control)
+    # Served loads keep their streams open over all their requests, so every one is refilled: a
+    # refilled regime would repeat its twin.
+    regimes = [(regime, is_control) for regime, is_control
+               in with_control(SWEEP_REGIMES if regimes is None else regimes, control) if not regime.refilled]
     server = StandaloneServer(threads, 8, target_dir, draft_dir, sampled_draft_dir)
     rows = []
     try:
         asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
                              dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
-        for (name, overrides, max_new_tokens, concurrency), is_control in regimes:
+        for (name, overrides, max_new_tokens, concurrency, _), is_control in regimes:
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
             seconds: dict[bool, list[float]] = {False: [], True: []}

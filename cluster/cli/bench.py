@@ -36,7 +36,8 @@ def add_parser(commands) -> None:
     bench_engine.add_argument("--keep-in-flight", action="store_true",
                               help="with --sweep: the 8-in-flight regimes decode their groups' prompts as one load "
                                    "that keeps 8 in flight (a finished request's slot goes to the next prompt), "
-                                   "not group by group, as on a replica under load")
+                                   "not group by group, as on a replica under load (the sweep's refilled row "
+                                   "always does; it is left out then)")
     bench_engine.add_argument("--no-control", action="store_true",
                               help="with --sweep: leave out the control row (both sides of each pair target-only, "
                                    "8 in flight: the machine's own scatter of a paired ratio)")

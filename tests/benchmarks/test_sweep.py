@@ -10,7 +10,7 @@ from dspine_testing.engines import make_engine
 from dspine import faults
 from dspine.benchmarks.engine import EngineBenchReport, bench_engine
 from dspine.benchmarks.paired import Pair
-from dspine.benchmarks.sweep import bench_sweep, format_sweep, regime_prompts
+from dspine.benchmarks.sweep import SWEEP_REGIMES, Regime, bench_sweep, format_sweep, regime_prompts
 from dspine.replica.sampling import SamplingParams
 
 REGIMES = (
@@ -70,11 +70,8 @@ def test_the_table_shows_each_regimes_spread_over_its_repeats(hybrid_target):
     assert f"{low:.2f}-{high:.2f}" in format_sweep(rows)
 
 
-def test_a_regime_in_flight_decodes_group_by_group_or_as_one_load_that_keeps_its_slots_full(hybrid_target, monkeypatch):
-    """By default each group of 4 of the 4-in-flight regime is a load of its own; with
-    ``keep_in_flight`` the two groups' prompts go to the engine as one load with 4 in flight (a
-    finished request's slot goes to the next prompt)."""
-    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+def recorded_loads(engine, monkeypatch) -> list[tuple[int, int | None]]:
+    """(prompts, max_in_flight) of each ``engine.generate_many`` call from now on."""
     loads: list[tuple[int, int | None]] = []
     generate_many = engine.generate_many
 
@@ -83,12 +80,37 @@ def test_a_regime_in_flight_decodes_group_by_group_or_as_one_load_that_keeps_its
         return generate_many(prompts, params, speculative, request_ids, max_in_flight)
 
     monkeypatch.setattr(engine, "generate_many", recorded)
+    return loads
+
+
+def test_a_regime_in_flight_decodes_group_by_group_or_as_one_load_that_keeps_its_slots_full(hybrid_target, monkeypatch):
+    """By default each group of 4 of the 4-in-flight regime is a load of its own; with
+    ``keep_in_flight`` the two groups' prompts go to the engine as one load with 4 in flight (a
+    finished request's slot goes to the next prompt)."""
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    loads = recorded_loads(engine, monkeypatch)
     bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[2:], groups_in_flight=2)
     assert [load for load in loads if load[0] > 1] == [(4, 4)] * 4  # two groups, both modes
     loads.clear()
     bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=REGIMES[2:], groups_in_flight=2,
                 keep_in_flight=True)
     assert [load for load in loads if load[0] > 1] == [(8, 4), (8, 4)]  # target-only, speculative
+
+
+def test_a_refilled_regime_is_one_load_beside_its_closed_twin(hybrid_target, monkeypatch):
+    """The sweep's refilled row decodes its groups' prompts as one load with its slots refilled,
+    whatever ``keep_in_flight`` says, next to the closed groups of its twin; one pair per repeat
+    (a whole load), against one per group for the twin. With ``keep_in_flight`` it is left out."""
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+    loads = recorded_loads(engine, monkeypatch)
+    regimes = (Regime("closed", {}, 8, 4), Regime("refilled", {}, 8, 4, refilled=True))
+    rows = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=2, regimes=regimes, groups_in_flight=2)
+    assert [row["regime"] for row in rows] == ["closed", "refilled"]
+    assert [row["num_pairs"] for row in rows] == [4, 2]
+    assert [load for load in loads if load[0] > 1] == [(4, 4)] * 8 + [(8, 4)] * 4
+    assert [row["regime"] for row in bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=regimes,
+                                                 groups_in_flight=2, keep_in_flight=True)] == ["closed"]
+    assert any(regime.refilled and regime.concurrency == 8 and not regime.overrides for regime in SWEEP_REGIMES)
 
 
 def test_the_control_row_decodes_both_sides_target_only(hybrid_target):

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from dspine import embedded
-from dspine.benchmarks.sweep import format_sweep
+from dspine.benchmarks.sweep import Regime, format_sweep
 from dspine.benchmarks.sweep_server import bench_sweep_server
 
 REGIMES = (("greedy, 6 tokens", {}, 6, 1), ("2 in flight, temperature 0.7", {"temperature": 0.7}, 5, 2))
@@ -41,7 +41,8 @@ def test_sweep_through_the_server_pairs_both_modes_of_every_regime():
 @pytest.mark.timeout(240)
 def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
     """The control row's pairs ask the server for target-only on both sides; a regime's pairs ask
-    for one of each. (The control regime is shrunk here to keep the test short.)"""
+    for one of each; a refilled regime is left out (a served load refills its streams anyway).
+    (The control regime is shrunk here to keep the test short.)"""
     from dspine.benchmarks import sweep, sweep_server
 
     control = ("control: target-only vs itself", {}, 4, 2)
@@ -55,11 +56,13 @@ def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
 
     monkeypatch.setattr(sweep_server, "run_load", recorded)
     prompts = [[11, 12, 13, 14], [21, 22, 23, 24]]
-    rows = bench_sweep_server(prompts, num_prompts=2, repeats=2, regimes=REGIMES[:1], threads=1,
+    refilled = Regime("2 in flight, refilled", {}, 4, 2, refilled=True)
+    rows = bench_sweep_server(prompts, num_prompts=2, repeats=2, regimes=REGIMES[:1] + (refilled,), threads=1,
                               target_dir=embedded.TARGET_DIR, draft_dir=embedded.DRAFT_DIR, groups_in_flight=1,
                               control=True)
     assert [row["regime"] for row in rows] == [REGIMES[0][0], control[0]]
     assert [row["control"] for row in rows] == [False, True]
+    assert refilled.name not in {n for n, _ in asked}
     assert sorted(s for n, s in asked if n == REGIMES[0][0]) == [False, False, True, True]
     assert [s for n, s in asked if n == control[0]] == [False] * 4
     assert "control: both sides" in format_sweep(rows)
