@@ -85,6 +85,9 @@ ENGINE_FAULTS: dict[str, str] = {
     "policy.forecast_uncalibrated": "a plan takes the requests' estimates at face value, though its drafting "
                                     "requests are those whose estimates are highest just then (the cycles of "
                                     "planned steps accept less than forecast)",
+    # tests/replica/test_speculation_policy.py::test_the_fast_plan_is_the_brute_force_plan
+    "policy.plan_bound_unsound": "the plan skips a row count by a bound on its k-request plans that holds for "
+                                 "k = 1 and k = all but not between (all the requests' tokens for their cost)",
     # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
     "policy.riders_always_ride": "a step's target-only requests always ride in its verify forward, padded to "
                                  "the longest drafting request's rows, however few draft",

@@ -243,10 +243,14 @@ class AcceptanceProfile:
         # Planning reads every candidate's profile every decode step; the estimates change only
         # when a cycle is observed (here or in the prior), so they are computed once per change.
         self.version = 0
-        self._cached: tuple[tuple[int, int], list[float], list[float]] | None = None
+        self._cached: tuple[tuple[int, int], list[float], list[float], list[float]] | None = None
 
     def _estimates(self) -> tuple[list[float], list[float]]:
         """(conditionals, gains) for all rows, recomputed only after an observation."""
+        return self._cached_estimates()[1:3]
+
+    def _cached_estimates(self) -> tuple[tuple[int, int], list[float], list[float], list[float]]:
+        """(key, conditionals, gains, their running sums), recomputed only after an observation."""
         key = (self.version, self.prior.version if self.prior is not None else -1)
         if self._cached is None or self._cached[0] != key:
             prior = self.prior.conditionals() if self.prior is not None else None
@@ -258,8 +262,8 @@ class AcceptanceProfile:
             for c in conditionals:
                 running *= c
                 gains.append(running)
-            self._cached = (key, conditionals, gains)
-        return self._cached[1], self._cached[2]
+            self._cached = (key, conditionals, gains, list(accumulate(gains)))
+        return self._cached
 
     def conditionals(self, num_rows: int | None = None) -> list[float]:
         """Estimated P(row accepted | earlier rows accepted) for rows 0 .. num_rows - 1 (0-based).
@@ -277,6 +281,15 @@ class AcceptanceProfile:
     def gains(self, max_rows: int) -> list[float]:
         """Expected accepted tokens added by verifying row t (t = 1..max_rows): P(rows 1..t accepted)."""
         return self._estimates()[1][:max(0, max_rows)]
+
+    def expected_tokens(self, max_rows: int) -> list[float]:
+        """Expected accepted tokens when verifying the first t rows, t = 1..max_rows (running sums
+        of :meth:`gains`)."""
+        return self._cached_estimates()[3][:max(0, max_rows)]
+
+    def expected_tokens_at(self, num_rows: int) -> float:
+        """``expected_tokens(num_rows)[-1]`` without the list (``num_rows`` >= 1)."""
+        return self._cached_estimates()[3][min(num_rows, self.num_rows) - 1]
 
     def fade(self, factor: float) -> None:
         """Scale this profile's own evidence by ``factor`` (its prior untouched): with less of it the
@@ -448,7 +461,8 @@ class SpeculationPolicy:
                 self._steps_without_draft[kind] = 0
         return plan
 
-    def _best_rows(self, candidates: dict[str, int], num_target_only: int) -> tuple[dict[str, int], bool]:
+    def _best_rows(self, candidates: dict[str, int], num_target_only: int,
+                   prune: bool = True) -> tuple[dict[str, int], bool]:
         """The plan with the most tokens per second, if it beats target-only, and whether its riders
         run apart: for each longest row count T, the requests with the most expected tokens from their
         first T rows.
@@ -458,7 +472,9 @@ class SpeculationPolicy:
         verifies all its rows up to T (they cost nothing more), and of k drafting requests the best
         are the k with the largest expected accepted tokens over T rows. Runs every decode step on the
         engine's thread: the cost lines are read once (with 8 requests x 15 rows, calling
-        `CostModel.step_seconds` per candidate took 4% of a CPU target step)."""
+        `CostModel.step_seconds` per candidate took 4% of a CPU target step). ``prune``: skip the T
+        that no plan could win with (:meth:`_may_beat`); False searches them all, the reference
+        the pruning is tested against."""
         if faults.active("policy.verify_cost_by_unpadded_rows"):
             return self._best_rows_by_gain(candidates, num_target_only), False
         batch = len(candidates) + num_target_only
@@ -470,18 +486,27 @@ class SpeculationPolicy:
         riders_seconds: list[float] = []
         # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
         calibration = {kind: self.forecast_calibration(kind) for kind in self._calibration}
-        expected = {request_id: [calibration[self._kinds[request_id]] * tokens
-                                 for tokens in accumulate(self.profile(request_id).gains(max_rows))]
-                    for request_id, max_rows in candidates.items() if max_rows > 0}
+        drafting_candidates = {r: (self.profile(r), calibration[self._kinds[r]], m) for r, m in candidates.items() if m > 0}
         best: tuple[int, list[str], bool] = (0, [], False)
         base = overhead_intercept + verify_intercept
-        for longest in range(1, max((len(e) for e in expected.values()), default=0) + 1):
+        # Every T at once, from one number per request: none gains more than over all its rows, none
+        # costs less than at T = 1. Most steps of requests that do not pay end here.
+        if prune and drafting_candidates and not self._may_beat(
+                best_rate, batch, [c * p.expected_tokens_at(m) for p, c, m in drafting_candidates.values()],
+                base, (verify_slope + overhead_slope) * 2):
+            return {}, False
+        expected = {r: [c * tokens for tokens in p.expected_tokens(m)] for r, (p, c, m) in drafting_candidates.items()}
+        request_ids = list(expected)
+        most_rows = max((len(e) for e in expected.values()), default=0)
+        # column T - 1: each request's expected tokens over its first T rows (its last, past its own cap)
+        columns = list(zip(*(e + e[-1:] * (most_rows - len(e)) for e in expected.values())))
+        for longest in range(1, len(columns) + 1):
+            gains = columns[longest - 1]
+            if prune and not self._may_beat(
+                    best_rate, batch, gains, base, (verify_slope + overhead_slope) * (1 + longest)):
+                continue
             riding = base + verify_slope * batch * (1 + longest)
-            ranked = sorted(((e[min(longest, len(e)) - 1], request_id) for request_id, e in expected.items()),
-                            key=lambda item: (-item[0], item[1]))
-            cheapest = base + (verify_slope + overhead_slope) * (1 + longest)  # no step of T rows costs less
-            if batch + sum(gain for gain, _ in ranked) <= best_rate * cheapest:
-                continue  # not even every request drafting could beat the best plan so far
+            ranked = sorted(zip(gains, request_ids), key=lambda item: (-item[0], item[1]))
             if not riders_seconds:
                 apart_allowed = not faults.active("policy.riders_always_ride")
                 riders_seconds = [0.0] + [self.costs.target_only_seconds(n) if apart_allowed else float("inf")
@@ -497,6 +522,25 @@ class SpeculationPolicy:
                     best = (longest, [request_id for _, request_id in ranked[:count]], apart < riding)
         longest, drafting_ids, riders_apart = best
         return {request_id: min(longest, candidates[request_id]) for request_id in drafting_ids}, riders_apart
+
+    @staticmethod
+    def _may_beat(best_rate: float, batch: int, gains: Sequence[float], base: float, per_request: float) -> bool:
+        """Whether some plan that drafts ``k`` of the requests over T rows (``gains``: their expected
+        tokens; ``per_request``: the drafter's and the verify's seconds per drafting request at T
+        rows, over the fixed ``base``) could beat ``best_rate`` tokens per second.
+
+        Checked before the requests are ranked: most steps of requests that do not pay stop here,
+        and ranking them for every T was most of a plan's time (about 90 us a step with 8 in
+        flight, 1-2% of a CPU target step). A k-request plan costs at least ``base + k *
+        per_request`` and commits at most ``batch + k * max(gains)`` tokens (and never more than
+        ``batch + sum(gains)``), a ratio monotone in k, so its best is at k = 1 or k = all."""
+        top, total, count = max(gains), sum(gains), len(gains)
+        one = (batch + top) / (base + per_request)
+        # k * top, not the k = all plan's own tokens: the bound must hold for every k in between
+        every_tokens = total if faults.active("policy.plan_bound_unsound") else count * top
+        every = (batch + every_tokens) / (base + count * per_request)
+        # the slack: a bound equal to a plan's rate must not drop it by a rounding of the division
+        return min(max(one, every), (batch + total) / (base + per_request)) > best_rate * (1 - 1e-12)
 
     def _best_rows_by_gain(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
         """The plan priced by unpadded rows (the fault ``policy.verify_cost_by_unpadded_rows``): rows in
