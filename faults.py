@@ -67,6 +67,10 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_two_drafters.py::test_the_mixed_batch_test_fails_when_proposals_merge_out_of_order
     "runner.proposals_merged_out_of_order": "the drafter groups' proposals are merged with the draft tokens in "
                                             "batch order but their q and candidates in the other group order",
+    # tests/replica/test_speculation_policy.py::test_a_paid_step_restarts_only_its_own_batch_sizes_probes
+    "policy.probe_schedule_shared_across_batches": "one probe schedule per kind of request for every batch size: "
+                                                   "a planned step that paid with 2 requests restarts the "
+                                                   "probes of 8",
     # tests/replica/test_speculation_policy.py::test_a_drafting_step_that_did_not_pay_keeps_the_probes_backing_off
     "policy.probe_interval_reset_by_any_draft": "the probes' back-off starts over after every planned drafting "
                                                 "step, whether it paid or not",

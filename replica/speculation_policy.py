@@ -27,9 +27,10 @@ times the longest one's, or the riders run a target-only forward of their own
 when that is cheaper), and compares it with a target-only step. When
 target-only wins, a probe step drafts again after a while (4 steps, doubling
 up to 64 while speculation keeps losing; 128 for sampled requests, each kind
-on its own schedule) so a request whose text becomes predictable is noticed. The back-off starts over only after
-a planned drafting step that paid: one that committed at least the tokens a
-target-only step would have in its time. A probe's lucky cycle lifts the
+and batch size on its own schedule) so a request whose text becomes
+predictable is noticed. The back-off starts over only after a planned drafting
+step that paid (one that committed at least the tokens a target-only step would
+have in its time), and only at that step's batch size. A probe's lucky cycle lifts the
 estimates and the next step drafts; if that step does not pay, the probes keep
 backing off (restarting them at 4 put five probes into 128 steps of 8 requests
 in flight, each 2.8 target-only steps long for 2 steps' tokens).
@@ -341,12 +342,18 @@ class SpeculationPolicy:
         self._in_run: dict[str, bool] = {}  # request id -> its last cycle accepted every row it verified
         self._kinds: dict[str, str] = {}  # request id -> "greedy" or "sampled"
         self._last_drafted: dict[str, int] = {}  # request id -> the decode step it last drafted in
-        # per kind of request: decode steps since one of that kind drafted, and its probe interval
-        self._steps_without_draft = {kind: 0 for kind in _MAX_PROBE_INTERVAL}
-        self._probe_interval = {kind: _FIRST_PROBE_INTERVAL for kind in _MAX_PROBE_INTERVAL}
+        # Per kind of request and batch size: decode steps of that batch since one of that kind drafted
+        # in it, and its probe interval. Whether drafting pays depends on the batch (a target-only
+        # step of 8 requests costs 1.3 of one request's on a 2-core CPU, a drafter pass per request
+        # does not shrink): with one schedule per kind, the planned steps that paid with 2 requests
+        # left at a closed group's end restarted the probes of the next group's 8 at every 4th step,
+        # 55 probes in 7 groups of 128 steps (`bench engine --sweep`, 8 greedy in flight), which
+        # cost 0.43 s against the 1.6 s its planned steps gained.
+        self._steps_without_draft: dict[tuple[str, int], int] = {}
+        self._probe_interval: dict[tuple[str, int], int] = {}
         # The last planned drafting step, until it is judged: (accepted tokens it needed to beat a
-        # target-only step, its drafting requests, the tokens they accepted so far, their kinds).
-        self._unjudged: tuple[float, frozenset[str], list[int], frozenset[str]] | None = None
+        # target-only step, its drafting requests, the tokens they accepted so far, their kinds' probe schedules).
+        self._unjudged: tuple[float, frozenset[str], list[int], frozenset[tuple[str, int]]] | None = None
         # Per kind: decayed (tokens accepted, tokens forecast) over the cycles of planned drafting
         # steps, and the raw forecasts of the last plan's requests until their cycles are observed.
         # A plan drafts the requests whose estimates are highest just then, so what its cycles accept
@@ -394,20 +401,21 @@ class SpeculationPolicy:
         self._planned_forecasts = {}
         batch = len(candidates) + num_target_only
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
-            return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}))
+            return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}), batch)
         rows, riders_apart = self._best_rows(candidates, num_target_only)
         if rows:
             kinds = frozenset(self._kinds[r] for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
-                self._restart_probes(kinds)
-            self._unjudged = (self._break_even(rows, batch), frozenset(rows), [0], kinds)
+                self._restart_probes((k, batch) for k in kinds)
+            self._unjudged = (self._break_even(rows, batch), frozenset(rows), [0], frozenset((k, batch) for k in kinds))
             self._planned_forecasts = {r: sum(self.profile(r).gains(n)) for r, n in rows.items()}
-            return self._drafting(StepPlan(rows, riders_apart=riders_apart))
+            return self._drafting(StepPlan(rows, riders_apart=riders_apart), batch)
         due = []
         for kind in sorted({self._kinds[r] for r in candidates}):
-            self._steps_without_draft[kind] += 1
-            if self._steps_without_draft[kind] >= self._probe_interval[kind]:
-                self._probe_interval[kind] = min(2 * self._probe_interval[kind], _MAX_PROBE_INTERVAL[kind])
+            schedule = self._schedule(kind, batch)
+            self._steps_without_draft[schedule] = self._steps_without_draft.get(schedule, 0) + 1
+            if self._steps_without_draft[schedule] >= self.probe_interval(kind, batch):
+                self._probe_interval[schedule] = min(2 * self.probe_interval(kind, batch), _MAX_PROBE_INTERVAL[kind])
                 due.append(kind)
         if due:
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
@@ -416,7 +424,7 @@ class SpeculationPolicy:
             probe = {r: min(candidates[r], _PROBE_ROWS[self._kinds[r]]) for r in oldest[:_PROBE_REQUESTS]}
             self.num_probes += bool(probe)
             riders_apart = bool(probe) and self.costs.step_cost(batch, list(probe.values()))[1]
-            return self._drafting(StepPlan(probe, is_probe=True, riders_apart=riders_apart))
+            return self._drafting(StepPlan(probe, is_probe=True, riders_apart=riders_apart), batch)
         return StepPlan({})
 
     def forecast_calibration(self, kind: str) -> float:
@@ -428,13 +436,20 @@ class SpeculationPolicy:
         ratio = (accepted + _CALIBRATION_PRIOR_TOKENS) / (forecast + _CALIBRATION_PRIOR_TOKENS)
         return min(_CALIBRATION_RANGE[1], max(_CALIBRATION_RANGE[0], ratio))
 
-    def probe_interval(self, kind: str) -> int:
-        """Decode steps a kind of request ("greedy" or "sampled") waits for its next probe now."""
-        return self._probe_interval[kind]
+    def probe_interval(self, kind: str, batch: int = 1) -> int:
+        """Decode steps of ``batch`` requests a kind of request ("greedy" or "sampled") waits for its
+        next probe now."""
+        return self._probe_interval.get(self._schedule(kind, batch), _FIRST_PROBE_INTERVAL)
 
-    def _restart_probes(self, kinds) -> None:
-        for kind in kinds:
-            self._probe_interval[kind] = _FIRST_PROBE_INTERVAL
+    @staticmethod
+    def _schedule(kind: str, batch: int) -> tuple[str, int]:
+        """The key of a kind's probe schedule at a batch size (one for all sizes under the fault)."""
+        return (kind, 0 if faults.active("policy.probe_schedule_shared_across_batches") else batch)
+
+    def _restart_probes(self, schedules) -> None:
+        """``schedules``: (kind, batch) pairs whose back-off starts over."""
+        for kind, batch in schedules:
+            self._probe_interval[self._schedule(kind, batch)] = _FIRST_PROBE_INTERVAL
 
     def _break_even(self, rows: dict[str, int], batch: int) -> float:
         """Accepted draft tokens a step drafting ``rows`` (``batch`` requests in all) must commit to
@@ -447,18 +462,18 @@ class SpeculationPolicy:
         """Restart the probes' back-off if the last planned drafting step paid."""
         if self._unjudged is None:
             return
-        needed, _, accepted, kinds = self._unjudged
+        needed, _, accepted, schedules = self._unjudged
         self._unjudged = None
         if accepted[0] >= needed:  # (its requests may have finished since: their kinds were kept)
-            self._restart_probes(kinds)
+            self._restart_probes(schedules)
 
-    def _drafting(self, plan: StepPlan) -> StepPlan:
+    def _drafting(self, plan: StepPlan, batch: int) -> StepPlan:
         for request_id in plan.draft_rows:
             self._last_drafted[request_id] = self.num_decode_steps
         if plan.draft_rows:
             self.num_drafting_steps += 1
             for kind in {self._kinds[r] for r in plan.draft_rows}:
-                self._steps_without_draft[kind] = 0
+                self._steps_without_draft[self._schedule(kind, batch)] = 0
         return plan
 
     def _best_rows(self, candidates: dict[str, int], num_target_only: int,

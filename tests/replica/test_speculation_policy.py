@@ -596,3 +596,45 @@ def test_rows_the_confidence_cut_dropped_count_against_the_forecast():
     assert forecast_after_cut_cycles() == pytest.approx(2.0, abs=0.3)
     with faults.inject("policy.acceptance_against_verified_rows"):
         assert forecast_after_cut_cycles() > 5.0
+
+
+def _probes_of_8_after_2_paid(steps: int = 128) -> int:
+    """Probes among ``steps`` steps of 8 greedy requests whose drafts all fail, after their probes
+    backed off and 2 requests then planned drafting steps that paid (a closed group's end)."""
+    policy = _policy_with_costs()
+    losing = {f"bad{i}": ROWS for i in range(8)}
+
+    def losing_steps(count: int) -> int:
+        probes = 0
+        for _ in range(count):
+            plan = policy.plan(losing)
+            probes += plan.is_probe
+            for request_id, rows in plan.draft_rows.items():
+                policy.observe_cycle(request_id, rows, 0)
+        return probes
+
+    for request_id in losing:
+        for _ in range(10):
+            policy.observe_cycle(request_id, ROWS, 0)
+    losing_steps(200)
+    assert policy.probe_interval("greedy", 8) == 64
+    winning = {"good0": ROWS, "good1": ROWS}
+    paid = 0
+    for _ in range(200):  # until a probe finds them (at once at 2 requests, later under the fault)
+        plan = policy.plan(winning)
+        paid += bool(plan.draft_rows) and not plan.is_probe
+        for request_id, rows in plan.draft_rows.items():
+            policy.observe_cycle(request_id, rows, rows)
+        if paid == 10:
+            break
+    assert paid == 10
+    return losing_steps(steps)
+
+
+def test_a_paid_step_restarts_only_its_own_batch_sizes_probes():
+    """Drafting pays at 2 requests where it loses at 8 (a drafter pass per request, a target step
+    that costs little more for 8): the end of one closed group must not restart the next group's
+    probes at every 4th step."""
+    assert _probes_of_8_after_2_paid() <= 2
+    with faults.inject("policy.probe_schedule_shared_across_batches"):
+        assert _probes_of_8_after_2_paid() >= 4
