@@ -345,14 +345,15 @@ class SpeculationPolicy:
         # Per kind of request and batch size: decode steps of that batch since one of that kind drafted
         # in it, and its probe interval. Whether drafting pays depends on the batch (a target-only
         # step of 8 requests costs 1.3 of one request's on a 2-core CPU, a drafter pass per request
-        # does not shrink): with one schedule per kind, the planned steps that paid with 2 requests
-        # left at a closed group's end restarted the probes of the next group's 8 at every 4th step,
-        # 55 probes in 7 groups of 128 steps (`bench engine --sweep`, 8 greedy in flight), which
-        # cost 0.43 s against the 1.6 s its planned steps gained.
+        # does not shrink), so a step that paid with 2 requests left at a closed group's end says
+        # nothing of the next group's 8 and must not restart their probes at every 4th step. (In
+        # the sweep's 8-greedy row most probes of 8 follow paid steps of 8 all the same: 55 in 28
+        # groups before this, 59 after.)
         self._steps_without_draft: dict[tuple[str, int], int] = {}
         self._probe_interval: dict[tuple[str, int], int] = {}
         # The last planned drafting step, until it is judged: (accepted tokens it needed to beat a
-        # target-only step, its drafting requests, the tokens they accepted so far, their kinds' probe schedules).
+        # target-only step, its drafting requests, the tokens they accepted so far, the probe
+        # schedules (kind, batch) it restarts if it paid).
         self._unjudged: tuple[float, frozenset[str], list[int], frozenset[tuple[str, int]]] | None = None
         # Per kind: decayed (tokens accepted, tokens forecast) over the cycles of planned drafting
         # steps, and the raw forecasts of the last plan's requests until their cycles are observed.
@@ -404,18 +405,19 @@ class SpeculationPolicy:
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}), batch)
         rows, riders_apart = self._best_rows(candidates, num_target_only)
         if rows:
-            kinds = frozenset(self._kinds[r] for r in rows)
+            schedules = frozenset((self._kinds[r], batch) for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
-                self._restart_probes((k, batch) for k in kinds)
-            self._unjudged = (self._break_even(rows, batch), frozenset(rows), [0], frozenset((k, batch) for k in kinds))
+                self._restart_probes(schedules)
+            self._unjudged = (self._break_even(rows, batch), frozenset(rows), [0], schedules)
             self._planned_forecasts = {r: sum(self.profile(r).gains(n)) for r, n in rows.items()}
             return self._drafting(StepPlan(rows, riders_apart=riders_apart), batch)
         due = []
         for kind in sorted({self._kinds[r] for r in candidates}):
             schedule = self._schedule(kind, batch)
             self._steps_without_draft[schedule] = self._steps_without_draft.get(schedule, 0) + 1
-            if self._steps_without_draft[schedule] >= self.probe_interval(kind, batch):
-                self._probe_interval[schedule] = min(2 * self.probe_interval(kind, batch), _MAX_PROBE_INTERVAL[kind])
+            interval = self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL)
+            if self._steps_without_draft[schedule] >= interval:
+                self._probe_interval[schedule] = min(2 * interval, _MAX_PROBE_INTERVAL[kind])
                 due.append(kind)
         if due:
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
@@ -464,7 +466,7 @@ class SpeculationPolicy:
             return
         needed, _, accepted, schedules = self._unjudged
         self._unjudged = None
-        if accepted[0] >= needed:  # (its requests may have finished since: their kinds were kept)
+        if accepted[0] >= needed:  # (its requests may have finished since: their schedules were kept)
             self._restart_probes(schedules)
 
     def _drafting(self, plan: StepPlan, batch: int) -> StepPlan:
@@ -501,7 +503,8 @@ class SpeculationPolicy:
         riders_seconds: list[float] = []
         # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
         calibration = {kind: self.forecast_calibration(kind) for kind in self._calibration}
-        drafting_candidates = {r: (self.profile(r), calibration[self._kinds[r]], m) for r, m in candidates.items() if m > 0}
+        drafting_candidates = {r: (self.profile(r), calibration[self._kinds[r]], m)
+                               for r, m in candidates.items() if m > 0}
         best: tuple[int, list[str], bool] = (0, [], False)
         base = overhead_intercept + verify_intercept
         # Every T at once, from one number per request: none gains more than over all its rows, none
@@ -510,7 +513,8 @@ class SpeculationPolicy:
                 best_rate, batch, [c * p.expected_tokens_at(m) for p, c, m in drafting_candidates.values()],
                 base, (verify_slope + overhead_slope) * 2):
             return {}, False
-        expected = {r: [c * tokens for tokens in p.expected_tokens(m)] for r, (p, c, m) in drafting_candidates.items()}
+        expected = {r: [c * tokens for tokens in p.expected_tokens(m)]
+                    for r, (p, c, m) in drafting_candidates.items()}
         request_ids = list(expected)
         most_rows = max((len(e) for e in expected.values()), default=0)
         # column T - 1: each request's expected tokens over its first T rows (its last, past its own cap)

@@ -157,7 +157,8 @@ def test_the_fast_plan_is_the_brute_force_plan():
     assert checked_pruned > 100, checked_pruned
     # a bound that holds for one request and for all of them but not in between skips a winner
     with faults.inject("policy.plan_bound_unsound"):
-        assert any(policy._best_rows(candidates, num_target_only) != policy._best_rows(candidates, num_target_only, prune=False)
+        assert any(policy._best_rows(candidates, num_target_only)
+                   != policy._best_rows(candidates, num_target_only, prune=False)
                    for policy, candidates, num_target_only in _plan_trials())
 
 
