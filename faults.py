@@ -92,6 +92,15 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_the_fast_plan_is_the_brute_force_plan
     "policy.plan_bound_unsound": "the plan skips a row count by a bound on its k-request plans that holds for "
                                  "k = 1 and k = all but not between (all the requests' tokens for their cost)",
+    # tests/replica/test_drain_pricing.py::test_a_closed_group_does_not_draft_a_subset_that_pays_only_under_load,
+    # ::test_a_closed_group_makes_no_probe_that_could_not_pay_even_if_it_hit
+    # and ::test_a_lone_laggard_drafts_where_a_loaded_replica_would_not
+    "policy.drain_unpriced": "a plan values every accepted token in full whether or not freed slots are "
+                             "refilled, so requests of a closed group run ahead and leave the others a "
+                             "thinner, dearer batch",
+    # tests/replica/test_slot_refills.py::test_a_closed_group_reads_as_unrefilled
+    "scheduler.refills_unmeasured": "the scheduler reports every freed slot as refilled (a closed group is "
+                                    "priced as a replica under load)",
     # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
     "policy.riders_always_ride": "a step's target-only requests always ride in its verify forward, padded to "
                                  "the longest drafting request's rows, however few draft",

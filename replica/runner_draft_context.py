@@ -67,18 +67,24 @@ class RunnerDraftContext:
 
     def _defer_context(self, request_ids: list[str], rows: list[int], features: torch.Tensor) -> None:
         """Keep row 0's features of ``rows`` (indices into ``request_ids``) for their draft contexts."""
-        # features: [N, T, F, H]; called last in a stage, so a retried stage never keeps a position twice
+        # features: [N, T, F, H]; called last in a stage, so a retried stage never keeps a position twice.
+        # A target-only step's features ([N, 1, F, H], fresh from the forward, never written to) are
+        # kept as views: every row of such a step is kept anyway, so a copy per request and step
+        # bought nothing. A verify keeps only row 0 of its padded rows, so its features are copied
+        # (a view would hold all of them alive).
+        copy = features is None or features.shape[1] > 1
         for b in rows:
-            self._defer_positions(request_ids[b], features[b, :1])
+            self._defer_positions(request_ids[b], features[b, :1], copy=copy)
 
-    def _defer_positions(self, request_id: str, features: torch.Tensor) -> None:
-        """Keep ``features`` [T, F, H] (the request's next committed positions) for its draft context;
+    def _defer_positions(self, request_id: str, features: torch.Tensor, copy: bool = True) -> None:
+        """Keep ``features`` [T, F, H] (the request's next committed positions) for its draft context
+        (a copy unless ``copy`` is False: a view of a tensor nobody writes to, no larger than it);
         append what has piled up once it reaches :data:`MAX_DEFERRED_POSITIONS` (or the window)."""
         if faults.active("runner.context_appended_at_once"):
             self._append_context([request_id], [features])
             return
         kept = self._deferred_context.setdefault(request_id, [])
-        kept.append(features.clone())
+        kept.append(features.clone() if copy else features)
         self._deferred_count[request_id] = self._deferred_count.get(request_id, 0) + int(features.shape[0])
         if self._deferred_count[request_id] >= min(MAX_DEFERRED_POSITIONS, self.drafter.args.window):
             self._flush_context([request_id])

@@ -17,6 +17,7 @@ from dspine import faults
 from .admission import MemoryAdmission
 from .errors import EngineFullError
 from .request import Request
+from .slot_refills import SlotRefills
 from .speculation_policy import SpeculationPolicy
 from .stopping import Release
 from .types import RequestStatus, RunnerOutput, SchedulerOutput
@@ -76,6 +77,7 @@ class FcfsScheduler(SchedulerInterface):
         self._waiting: deque[str] = deque()  # not yet fully prefilled, in arrival order
         self._prefilled: dict[str, int] = {}  # prompt tokens prefilled so far (waiting requests)
         self._to_free: list[str] = []  # finished, their device state not yet freed by the runner
+        self.slot_refills = SlotRefills()  # whether freed slots are taken again (the policy's drain pricing)
 
     @property
     def num_unfinished(self) -> int:
@@ -104,6 +106,7 @@ class FcfsScheduler(SchedulerInterface):
                 if error is not None and self.refuse_when_full:
                     raise error  # PoolExhaustedError naming the pool
         self.requests[request.request_id] = request
+        self.slot_refills.on_add()
         self._waiting.append(request.request_id)
         self._prefilled[request.request_id] = 0
 
@@ -148,12 +151,15 @@ class FcfsScheduler(SchedulerInterface):
         target_only = [r.request_id for r in running if not r.speculative]
         draft_rows: dict[str, int] = {}
         riders_apart = False
+        if running:
+            self.slot_refills.on_step()
         if self.policy is not None and speculative:
+            remaining = {r.request_id: r.params.max_new_tokens - r.stats.num_output_tokens for r in running}
             # rows past the request's remaining output could never be emitted
-            candidates = {r.request_id: min(self.policy.num_rows, r.params.max_new_tokens - r.stats.num_output_tokens - 1)
-                          for r in speculative}
+            candidates = {r.request_id: min(self.policy.num_rows, remaining[r.request_id] - 1) for r in speculative}
             sampled = frozenset(r.request_id for r in speculative if not r.params.is_greedy)
-            plan = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled)
+            plan = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled,
+                                    remaining=remaining, refill_share=self._refill_share())
             draft_rows, riders_apart = plan.draft_rows, plan.riders_apart
             target_only = [r.request_id for r in speculative if r.request_id not in draft_rows] + target_only
             speculative = [r for r in speculative if r.request_id in draft_rows]
@@ -167,6 +173,11 @@ class FcfsScheduler(SchedulerInterface):
             riders_apart=riders_apart,
         )
         return output
+
+    def _refill_share(self) -> float:
+        if faults.active("scheduler.refills_unmeasured"):
+            return 1.0
+        return self.slot_refills.share
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestEvent]:
         if self.policy is not None:
@@ -238,6 +249,7 @@ class FcfsScheduler(SchedulerInterface):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         del self.requests[request.request_id]
+        self.slot_refills.on_finish(len(self.requests))
         if self.policy is not None:
             self.policy.forget(request.request_id)
         if request.request_id in self._waiting:

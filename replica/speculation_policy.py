@@ -35,6 +35,13 @@ estimates and the next step drafts; if that step does not pay, the probes keep
 backing off (restarting them at 4 put five probes into 128 steps of 8 requests
 in flight, each 2.8 target-only steps long for 2 steps' tokens).
 
+Where freed slots stay empty (a closed group of requests, a load's last ones), a
+token is priced by what it saves of the batch's remaining decode time, not at a
+loaded replica's full rate (``replica/drain_pricing.py``, the share of freed slots
+refilled measured by ``replica/slot_refills.py``): running one request ahead of
+the others buys them a thinner, dearer batch later. Probes follow the same
+prices: a probe that could not pay even if every row were accepted is not made.
+
 Lossless by construction: a plan is made before the step drafts anything,
 from past cycles and timings only, so whether a row is verified never depends
 on the token drawn at that row (the tail's confidence cut, applied on top,
@@ -43,11 +50,14 @@ obeys the same rule; see ``tail.chain_confidence``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+import operator
 from itertools import accumulate
 
 from dspine import faults
+
+from .drain_pricing import DrainPricing, drain_pricing, shortest_runs
 
 __all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", "StepPlan"]
 
@@ -254,15 +264,19 @@ class AcceptanceProfile:
         """(key, conditionals, gains, their running sums), recomputed only after an observation."""
         key = (self.version, self.prior.version if self.prior is not None else -1)
         if self._cached is None or self._cached[0] != key:
-            prior = self.prior.conditionals() if self.prior is not None else None
-            conditionals: list[float] = []
-            for row in range(self.num_rows):
-                base = prior[row] if prior is not None else (conditionals[-1] if conditionals else self.initial)
-                conditionals.append((self._accepted[row] + _PRIOR_WEIGHT * base) / (self._seen[row] + _PRIOR_WEIGHT))
-            gains, running = [], 1.0
-            for c in conditionals:
-                running *= c
-                gains.append(running)
+            # (every observation anywhere changes the engine-wide prior, so with 8 requests in flight
+            # all their estimates are recomputed every step: comprehensions, not an indexed loop)
+            w = _PRIOR_WEIGHT
+            if self.prior is not None:
+                conditionals = [(a + w * b) / (s + w)
+                                for a, b, s in zip(self._accepted, self.prior.conditionals(), self._seen)]
+            else:
+                conditionals = []
+                base = self.initial
+                for a, s in zip(self._accepted, self._seen):
+                    base = (a + w * base) / (s + w)
+                    conditionals.append(base)
+            gains = list(accumulate(conditionals, operator.mul))
             self._cached = (key, conditionals, gains, list(accumulate(gains)))
         return self._cached
 
@@ -363,6 +377,7 @@ class SpeculationPolicy:
         self._calibration = {kind: [0.0, 0.0] for kind in _MAX_PROBE_INTERVAL}
         self._planned_forecasts: dict[str, float] = {}
         self.num_probes = 0
+        self.num_probes_skipped = 0  # due, but not even a perfect cycle would have paid (drain pricing)
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
 
@@ -379,14 +394,17 @@ class SpeculationPolicy:
         return self._profiles[request_id][in_run]
 
     def plan(self, candidates: dict[str, int], num_target_only: int = 0, sampled: frozenset[str] = frozenset(),
-             ) -> StepPlan:
+             remaining: Mapping[str, int] | None = None, refill_share: float = 1.0) -> StepPlan:
         """``candidates``: request id -> the most draft rows worth verifying for it (its remaining
         output budget less one, capped at the block); ``num_target_only``: other requests of the step
-        that decode target-only anyway; ``sampled``: the candidates that sample (temperature > 0).
+        that decode target-only anyway; ``sampled``: the candidates that sample (temperature > 0);
+        ``remaining``: every request of the step -> the output tokens it may still emit, and
+        ``refill_share``: the share of freed slots that new requests take (see
+        ``replica/drain_pricing.py``; None or 1: every accepted token counts in full).
         Returns the rows each drafting request verifies."""
         if not candidates:
             return StepPlan({})
-        plan = self._plan(candidates, num_target_only, sampled)
+        plan = self._plan(candidates, num_target_only, sampled, remaining, refill_share)
         if not faults.active("policy.idle_evidence_kept"):
             for request_id in candidates:
                 if request_id not in plan.draft_rows:
@@ -394,7 +412,8 @@ class SpeculationPolicy:
                         profile.fade(_IDLE_EVIDENCE_DECAY)
         return plan
 
-    def _plan(self, candidates: dict[str, int], num_target_only: int, sampled: frozenset[str]) -> StepPlan:
+    def _plan(self, candidates: dict[str, int], num_target_only: int, sampled: frozenset[str],
+              remaining: Mapping[str, int] | None = None, refill_share: float = 1.0) -> StepPlan:
         for request_id in candidates:
             self.profile(request_id, request_id in sampled)
         self.num_decode_steps += 1
@@ -403,7 +422,8 @@ class SpeculationPolicy:
         batch = len(candidates) + num_target_only
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}), batch)
-        rows, riders_apart = self._best_rows(candidates, num_target_only)
+        rows, riders_apart = self._best_rows(candidates, num_target_only, remaining=remaining,
+                                             refill_share=refill_share)
         if rows:
             schedules = frozenset((self._kinds[r], batch) for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
@@ -424,6 +444,11 @@ class SpeculationPolicy:
             oldest = sorted((r for r, m in candidates.items() if m > 0 and self._kinds[r] in due),
                             key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS[self._kinds[r]]) for r in oldest[:_PROBE_REQUESTS]}
+            if probe and not self._probe_could_pay(probe, batch, self._pricing(candidates, remaining, refill_share)):
+                for kind in due:  # as if probed: the schedule waits its interval again
+                    self._steps_without_draft[self._schedule(kind, batch)] = 0
+                self.num_probes_skipped += 1
+                return StepPlan({})
             self.num_probes += bool(probe)
             riders_apart = bool(probe) and self.costs.step_cost(batch, list(probe.values()))[1]
             return self._drafting(StepPlan(probe, is_probe=True, riders_apart=riders_apart), batch)
@@ -478,8 +503,9 @@ class SpeculationPolicy:
                 self._steps_without_draft[self._schedule(kind, batch)] = 0
         return plan
 
-    def _best_rows(self, candidates: dict[str, int], num_target_only: int,
-                   prune: bool = True) -> tuple[dict[str, int], bool]:
+    def _best_rows(self, candidates: dict[str, int], num_target_only: int, prune: bool = True,
+                   remaining: Mapping[str, int] | None = None,
+                   refill_share: float = 1.0) -> tuple[dict[str, int], bool]:
         """The plan with the most tokens per second, if it beats target-only, and whether its riders
         run apart: for each longest row count T, the requests with the most expected tokens from their
         first T rows.
@@ -491,7 +517,12 @@ class SpeculationPolicy:
         engine's thread: the cost lines are read once (with 8 requests x 15 rows, calling
         `CostModel.step_seconds` per candidate took 4% of a CPU target step). ``prune``: skip the T
         that no plan could win with (:meth:`_may_beat`); False searches them all, the reference
-        the pruning is tested against."""
+        the pruning is tested against.
+
+        ``remaining`` and ``refill_share`` price the tokens (``replica/drain_pricing.py``): where freed
+        slots stay empty a token is worth less, except one that shortens the batch's longest remaining
+        output, which every one of the critical requests must accept (so a plan drafts all of them,
+        and the others in order of gain, or none)."""
         if faults.active("policy.verify_cost_by_unpadded_rows"):
             return self._best_rows_by_gain(candidates, num_target_only), False
         batch = len(candidates) + num_target_only
@@ -507,13 +538,29 @@ class SpeculationPolicy:
                                for r, m in candidates.items() if m > 0}
         best: tuple[int, list[str], bool] = (0, [], False)
         base = overhead_intercept + verify_intercept
+        pricing = self._pricing(candidates, remaining, refill_share)
+        value = pricing.token_value
+        has_lead = bool(pricing.critical) and pricing.lead_token_value > 0
+        num_critical = len(pricing.critical)
         # Every T at once, from one number per request: none gains more than over all its rows, none
         # costs less than at T = 1. Most steps of requests that do not pay end here.
-        if prune and drafting_candidates and not self._may_beat(
-                best_rate, batch, [c * p.expected_tokens_at(m) for p, c, m in drafting_candidates.values()],
-                base, (verify_slope + overhead_slope) * 2):
-            return {}, False
-        expected = {r: [c * tokens for tokens in p.expected_tokens(m)]
+        if prune and drafting_candidates:
+            whole = [value * c * p.expected_tokens_at(m) for p, c, m in drafting_candidates.values()]
+            # the critical requests' shortest run is at most the least any of them expects
+            lead_bound = pricing.lead_token_value * min(pricing.lead, min(
+                c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()
+                if r in pricing.critical)) if has_lead else 0.0
+            if not self._may_beat(best_rate, batch, whole, base, (verify_slope + overhead_slope) * 2,
+                                  lead_bound, num_critical):
+                return {}, False
+        # the lead the critical requests may gain together over their first T rows, T = 1..num_rows
+        leads = [pricing.lead_token_value * min(pricing.lead, run) for run in shortest_runs(
+            [[c * g for g in p.gains(m)] for r, (p, c, m) in drafting_candidates.items() if r in pricing.critical],
+            self.num_rows)] if has_lead else []
+        # the critical requests drafting first, then the others by gain: a plan of its own unless
+        # every candidate is critical (then it is the order by gain)
+        critical_first = bool(leads) and num_critical < len(drafting_candidates)
+        expected = {r: [value * c * tokens for tokens in p.expected_tokens(m)]
                     for r, (p, c, m) in drafting_candidates.items()}
         request_ids = list(expected)
         most_rows = max((len(e) for e in expected.values()), default=0)
@@ -521,29 +568,59 @@ class SpeculationPolicy:
         columns = list(zip(*(e + e[-1:] * (most_rows - len(e)) for e in expected.values())))
         for longest in range(1, len(columns) + 1):
             gains = columns[longest - 1]
+            lead = leads[longest - 1] if leads else 0.0
             if prune and not self._may_beat(
-                    best_rate, batch, gains, base, (verify_slope + overhead_slope) * (1 + longest)):
+                    best_rate, batch, gains, base, (verify_slope + overhead_slope) * (1 + longest), lead, num_critical):
                 continue
             riding = base + verify_slope * batch * (1 + longest)
             ranked = sorted(zip(gains, request_ids), key=lambda item: (-item[0], item[1]))
             if not riders_seconds:
-                apart_allowed = not faults.active("policy.riders_always_ride")
-                riders_seconds = [0.0] + [self.costs.target_only_seconds(n) if apart_allowed else float("inf")
-                                          for n in range(1, batch)]
-            tokens = float(batch)
-            for count, (gain, _) in enumerate(ranked, start=1):
-                tokens += gain
-                drafting = overhead_slope * count * (1 + longest)  # CostModel.drafted_rows
-                apart = base + verify_slope * count * (1 + longest) + riders_seconds[batch - count]
-                seconds = drafting + min(riding, apart)
-                if tokens / seconds > best_rate:
-                    best_rate = tokens / seconds
-                    best = (longest, [request_id for _, request_id in ranked[:count]], apart < riding)
+                riders_seconds = self._riders_seconds(batch)
+            orders = [ranked]
+            if critical_first and lead > 0:
+                orders.append(sorted(ranked, key=lambda item: item[1] not in pricing.critical))
+            for order in orders:
+                tokens, num_critical = float(batch), 0
+                for count, (gain, request_id) in enumerate(order, start=1):
+                    tokens += gain
+                    num_critical += request_id in pricing.critical
+                    drafting = overhead_slope * count * (1 + longest)  # CostModel.drafted_rows
+                    apart = base + verify_slope * count * (1 + longest) + riders_seconds[batch - count]
+                    seconds = drafting + min(riding, apart)
+                    worth = tokens + (lead if num_critical == len(pricing.critical) else 0.0)
+                    if worth / seconds > best_rate:
+                        best_rate = worth / seconds
+                        best = (longest, [r for _, r in order[:count]], apart < riding)
         longest, drafting_ids, riders_apart = best
         return {request_id: min(longest, candidates[request_id]) for request_id in drafting_ids}, riders_apart
 
+    def _pricing(self, candidates: dict[str, int], remaining: Mapping[str, int] | None,
+                 refill_share: float) -> DrainPricing:
+        """How this step's accepted tokens are valued (``replica/drain_pricing.py``)."""
+        target_line = (self.costs.target_forward.coefficients()
+                       if self.costs.target_forward.num_observations > 0 else None)
+        return drain_pricing(remaining, [r for r, m in candidates.items() if m > 0], refill_share, target_line)
+
+    def _probe_could_pay(self, probe: dict[str, int], batch: int, pricing: DrainPricing) -> bool:
+        """Whether the probe's step would beat a target-only one if its requests accepted every row.
+
+        A probe of 2 of 8 greedy requests in a closed group costs about 3 target-only steps, and
+        what it finds can only make those two run ahead of the others (their tokens are worth 0.4
+        of a loaded replica's there): 39 such probes in 12 groups of 8 were 6% of the decode time
+        on a 2-core CPU. Where even a perfect cycle would not pay, the probe is not made."""
+        tokens = batch + pricing.token_value * sum(probe.values())
+        if pricing.critical and pricing.critical <= set(probe):
+            tokens += pricing.lead_token_value * min(pricing.lead, min(probe.values()))
+        return tokens / self.costs.step_seconds(batch, list(probe.values())) > batch / self.costs.step_seconds(batch)
+
+    def _riders_seconds(self, batch: int) -> list[float]:
+        """Seconds of the riders' own target-only forward by their number, 0..batch - 1 (inf: they ride)."""
+        apart_allowed = not faults.active("policy.riders_always_ride")
+        return [0.0] + [self.costs.target_only_seconds(n) if apart_allowed else float("inf") for n in range(1, batch)]
+
     @staticmethod
-    def _may_beat(best_rate: float, batch: int, gains: Sequence[float], base: float, per_request: float) -> bool:
+    def _may_beat(best_rate: float, batch: int, gains: Sequence[float], base: float, per_request: float,
+                  lead: float = 0.0, num_critical: int = 0) -> bool:
         """Whether some plan that drafts ``k`` of the requests over T rows (``gains``: their expected
         tokens; ``per_request``: the drafter's and the verify's seconds per drafting request at T
         rows, over the fixed ``base``) could beat ``best_rate`` tokens per second.
@@ -552,14 +629,25 @@ class SpeculationPolicy:
         and ranking them for every T was most of a plan's time (about 90 us a step with 8 in
         flight, 1-2% of a CPU target step). A k-request plan costs at least ``base + k *
         per_request`` and commits at most ``batch + k * max(gains)`` tokens (and never more than
-        ``batch + sum(gains)``), a ratio monotone in k, so its best is at k = 1 or k = all."""
+        ``batch + sum(gains)``), a ratio monotone in k, so its best is at k = 1 or k = all.
+
+        ``lead``: what a plan that drafts all ``num_critical`` critical requests gains on top (drain
+        pricing); such a plan drafts at least that many, so it is bounded the same way from k =
+        ``num_critical`` on, and the plans without the lead as before."""
         top, total, count = max(gains), sum(gains), len(gains)
         one = (batch + top) / (base + per_request)
         # k * top, not the k = all plan's own tokens: the bound must hold for every k in between
         every_tokens = total if faults.active("policy.plan_bound_unsound") else count * top
         every = (batch + every_tokens) / (base + count * per_request)
         # the slack: a bound equal to a plan's rate must not drop it by a rounding of the division
-        return min(max(one, every), (batch + total) / (base + per_request)) > best_rate * (1 - 1e-12)
+        if min(max(one, every), (batch + total) / (base + per_request)) > best_rate * (1 - 1e-12):
+            return True
+        if lead <= 0 or not num_critical:
+            return False
+        first = (batch + lead + num_critical * top) / (base + num_critical * per_request)
+        every = (batch + lead + count * top) / (base + count * per_request)
+        cap = (batch + lead + total) / (base + num_critical * per_request)
+        return min(max(first, every), cap) > best_rate * (1 - 1e-12)
 
     def _best_rows_by_gain(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
         """The plan priced by unpadded rows (the fault ``policy.verify_cost_by_unpadded_rows``): rows in

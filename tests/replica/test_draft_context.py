@@ -29,7 +29,7 @@ def _plan(engine, drafts_on_step) -> None:
     """Replace the policy's plan: request drafts 3 rows on decode steps where ``drafts_on_step(i)``."""
     step = [0]
 
-    def plan(candidates, num_target_only=0, sampled=frozenset()):
+    def plan(candidates, num_target_only=0, sampled=frozenset(), **pricing):
         step[0] += 1
         if drafts_on_step(step[0]):
             return StepPlan({r: min(3, m) for r, m in candidates.items() if m > 0})

@@ -33,7 +33,7 @@ def _run(target):
     engine = _engine(target)
     plans: list[StepPlan] = []
 
-    def plan(candidates, num_target_only=0, sampled=frozenset()):
+    def plan(candidates, num_target_only=0, sampled=frozenset(), **pricing):
         first = sorted(candidates)[0]
         rows = {first: min(1 + len(plans) % 6, candidates[first])} if candidates[first] > 0 else {}
         plans.append(StepPlan(rows, riders_apart=bool(rows) and len(plans) % 2 == 0))

@@ -31,7 +31,7 @@ def _plan_rows(engine) -> list[dict[str, int]]:
     (in the order the plan sees them); returns the plans made."""
     plans = []
 
-    def plan(candidates, num_target_only=0, sampled=frozenset()):
+    def plan(candidates, num_target_only=0, sampled=frozenset(), **pricing):
         step = len(plans)
         wanted = [1 + step % 5, 3 + step % 7]
         rows = {r: min(wanted[i % 2], m) for i, (r, m) in enumerate(sorted(candidates.items())) if m > 0}

@@ -18,6 +18,7 @@ from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
 from dspine.replica.speculation_policy import AcceptanceProfile, LinearCost, SpeculationPolicy
 from dspine.replica.tail import Proposal
+from dspine_testing.policies import policy_with_costs
 
 ROWS = 15
 
@@ -56,13 +57,7 @@ def test_acceptance_profile_learns_per_row_and_shares_a_prior():
 
 def _policy_with_costs(forward=(0.004, 0.0003), overhead=(0.002, 0.001)) -> SpeculationPolicy:
     """``overhead``: (intercept, seconds per request drafting a whole block), a line in drafted rows."""
-    policy = SpeculationPolicy(ROWS)
-    for rows in (1, 8, 16, 30):
-        policy.costs.target_forward.observe(rows, forward[0] + forward[1] * rows)
-        policy.costs.verify_forward.observe(rows, forward[0] + forward[1] * rows)
-        requests = rows % 8 + 1
-        policy.costs.draft_overhead.observe(requests * (ROWS + 1), overhead[0] + overhead[1] * requests)
-    return policy
+    return policy_with_costs(ROWS, forward, overhead)
 
 
 def test_a_perfect_profile_verifies_every_row_and_a_useless_one_none():
@@ -102,8 +97,8 @@ def _best_rows_by_brute_force(policy, candidates, num_target_only):
     return best
 
 
-def _loose_bound(best_rate, batch, gains, base, per_request) -> bool:
-    return (batch + sum(gains)) / (base + per_request) > best_rate
+def _loose_bound(best_rate, batch, gains, base, per_request, lead=0.0, num_critical=0) -> bool:
+    return (batch + lead + sum(gains)) / (base + per_request) > best_rate
 
 
 def _ranked_row_counts(policy, candidates, num_target_only, loose: bool = False) -> int:
