@@ -377,7 +377,7 @@ class SpeculationPolicy:
         self._calibration = {kind: [0.0, 0.0] for kind in _MAX_PROBE_INTERVAL}
         self._planned_forecasts: dict[str, float] = {}
         self.num_probes = 0
-        self.num_probes_skipped = 0  # due, but not even a perfect cycle would have paid (drain pricing)
+        self.num_probes_skipped = 0  # steps whose due probe was not made: not even a perfect cycle would pay
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
 
@@ -437,7 +437,6 @@ class SpeculationPolicy:
             self._steps_without_draft[schedule] = self._steps_without_draft.get(schedule, 0) + 1
             interval = self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL)
             if self._steps_without_draft[schedule] >= interval:
-                self._probe_interval[schedule] = min(2 * interval, _MAX_PROBE_INTERVAL[kind])
                 due.append(kind)
         if due:
             # the requests that drafted longest ago: a probe's cost grows with the requests it drafts
@@ -445,10 +444,14 @@ class SpeculationPolicy:
                             key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS[self._kinds[r]]) for r in oldest[:_PROBE_REQUESTS]}
             if probe and not self._probe_could_pay(probe, batch, self._pricing(candidates, remaining, refill_share)):
-                for kind in due:  # as if probed: the schedule waits its interval again
-                    self._steps_without_draft[self._schedule(kind, batch)] = 0
+                # still due, its back-off unchanged: the next step where a probe could pay makes it
+                # (a lone request's last rows cannot, the next request's first ones can)
                 self.num_probes_skipped += 1
                 return StepPlan({})
+            for kind in due:
+                schedule = self._schedule(kind, batch)
+                self._probe_interval[schedule] = min(2 * self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL),
+                                                     _MAX_PROBE_INTERVAL[kind])
             self.num_probes += bool(probe)
             riders_apart = bool(probe) and self.costs.step_cost(batch, list(probe.values()))[1]
             return self._drafting(StepPlan(probe, is_probe=True, riders_apart=riders_apart), batch)

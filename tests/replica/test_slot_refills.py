@@ -31,11 +31,25 @@ def test_the_last_request_of_a_batch_judges_the_open_slots_unrefilled():
     refilling the slots the group's early finishers left."""
     refills = SlotRefills(within_steps=8, decay=0.5)
     refills.on_finish(num_still_running=2)
+    refills.on_step()
     refills.on_finish(num_still_running=1)
+    refills.on_step()
     refills.on_finish(num_still_running=0)
     for _ in range(4):
         refills.on_add()
     assert refills.share == 0.25
+
+
+def test_a_batch_that_ends_in_one_step_says_nothing_of_refills():
+    """Requests that all end at the same step: none finished early, so none of their slots could
+    have been taken early; the share stays where it was."""
+    refills = SlotRefills(within_steps=8, decay=0.5)
+    refills.on_step()
+    for still_running in (3, 2, 1, 0):
+        refills.on_finish(num_still_running=still_running)
+    for _ in range(4):
+        refills.on_add()
+    assert refills.share == 1.0
 
 
 def _plan_shares(engine: Engine, closed: bool) -> list[float]:
