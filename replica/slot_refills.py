@@ -18,9 +18,8 @@ __all__ = ["SlotRefills"]
 # A freed slot counts as refilled when a request arrives within this many decode steps of it (a
 # served client's next request takes a round trip of a few milliseconds, under one CPU step).
 REFILL_WITHIN_STEPS = 8
-# Weight of history per freed slot: about the last five frees count (a closed group of 8 whose
-# first requests ran ahead reads 0.2 after its first group).
-_REFILL_DECAY = 0.8
+# Weight of history per freed slot: about the last ten frees count.
+_REFILL_DECAY = 0.9
 
 
 class SlotRefills:
@@ -54,17 +53,19 @@ class SlotRefills:
     def on_finish(self, num_still_running: int) -> None:
         """A request finished (its slot is free) and ``num_still_running`` others are unfinished.
 
-        When it was the last, the batch has drained: the slots freed at earlier steps were not
-        taken while it mattered (a closed group's next group arrives after it). Slots freed at this
-        same step say nothing: nobody finished early, so nobody could have taken their slot early
-        (8 streams whose requests all end together would otherwise read as a closed group, and
-        the replica would never draft to find out otherwise)."""
+        When it was the last, the batch has drained: the slots still open were not taken while it
+        mattered (a closed group's next group arrives after it), and its own slot says nothing.
+        Requests that all end at the same step read as a closed group too, and that is the
+        pricing they want: a load of equal-length requests that one of them leaves early
+        prefills its replacement alone, not batched with the others' (the refilled 8-greedy
+        regime's speculative side ran 59 prefill steps, 1.53 s, against 13, 0.60 s, target-only).
+        Drain pricing then drafts them all or none, which keeps them together."""
         if num_still_running > 0:
             self._open.append(self._step)
             return
         while self._open:
-            if self._open.popleft() < self._step:
-                self._observe(False)
+            self._open.popleft()
+            self._observe(False)
 
     def on_add(self) -> None:
         """A request arrived: it takes the oldest freed slot still open (if any)."""

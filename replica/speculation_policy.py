@@ -583,14 +583,14 @@ class SpeculationPolicy:
             if critical_first and lead > 0:
                 orders.append(sorted(ranked, key=lambda item: item[1] not in pricing.critical))
             for order in orders:
-                tokens, num_critical = float(batch), 0
+                tokens, critical_in = float(batch), 0
                 for count, (gain, request_id) in enumerate(order, start=1):
                     tokens += gain
-                    num_critical += request_id in pricing.critical
+                    critical_in += request_id in pricing.critical
                     drafting = overhead_slope * count * (1 + longest)  # CostModel.drafted_rows
                     apart = base + verify_slope * count * (1 + longest) + riders_seconds[batch - count]
                     seconds = drafting + min(riding, apart)
-                    worth = tokens + (lead if num_critical == len(pricing.critical) else 0.0)
+                    worth = tokens + (lead if critical_in == num_critical else 0.0)
                     if worth / seconds > best_rate:
                         best_rate = worth / seconds
                         best = (longest, [r for _, r in order[:count]], apart < riding)

@@ -125,7 +125,8 @@ def test_pruned_and_unpruned_drain_priced_plans_agree():
         remaining = {r: rng.choice([40, 40, 60, 100]) for r in ids}
         share = rng.choice([0.0, 0.3, 0.9])
         kwargs = dict(remaining=remaining, refill_share=share)
-        assert policy._best_rows(candidates, 0, **kwargs) == policy._best_rows(candidates, 0, prune=False, **kwargs), trial
+        pruned = policy._best_rows(candidates, 0, **kwargs)
+        assert pruned == policy._best_rows(candidates, 0, prune=False, **kwargs), trial
 
 
 def _probes_in_closed_group(refill_share: float, steps: int = 300) -> int:

@@ -40,16 +40,16 @@ def test_the_last_request_of_a_batch_judges_the_open_slots_unrefilled():
     assert refills.share == 0.25
 
 
-def test_a_batch_that_ends_in_one_step_says_nothing_of_refills():
-    """Requests that all end at the same step: none finished early, so none of their slots could
-    have been taken early; the share stays where it was."""
+def test_a_batch_that_ends_in_one_step_reads_as_unrefilled():
+    """Requests that all end at the same step, the next ones arriving after: a closed group (one
+    that ran ahead would have had its replacement prefilled alone)."""
     refills = SlotRefills(within_steps=8, decay=0.5)
     refills.on_step()
     for still_running in (3, 2, 1, 0):
         refills.on_finish(num_still_running=still_running)
     for _ in range(4):
         refills.on_add()
-    assert refills.share == 1.0
+    assert refills.share == 0.125
 
 
 def _plan_shares(engine: Engine, closed: bool) -> list[float]:
@@ -85,7 +85,8 @@ def _engine(target) -> Engine:
 
 def test_a_closed_group_reads_as_unrefilled(dense_target):
     """Closed groups of 4 leave their early finishers' slots empty: the policy sees the share fall
-    to about a quarter by the last group (3 of every 4 frees unrefilled); a load that refills its slots keeps it above."""
+    to about a quarter by the last group (3 of every 4 frees unrefilled); a load that refills its
+    slots keeps it above."""
     closed = _plan_shares(_engine(dense_target), closed=True)
     refilled = _plan_shares(_engine(dense_target), closed=False)
     assert closed[-1] < 0.4 and refilled[len(refilled) // 2] > 0.9
