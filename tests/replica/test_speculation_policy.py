@@ -634,3 +634,65 @@ def test_a_paid_step_restarts_only_its_own_batch_sizes_probes():
     assert _probes_of_8_after_2_paid() <= 2
     with faults.inject("policy.probe_schedule_shared_across_batches"):
         assert _probes_of_8_after_2_paid() >= 4
+
+
+def test_requests_that_do_not_pay_are_planned_on_few_steps():
+    """8 requests whose drafts all fail: after a few plans that find nothing, most steps skip
+    planning (at most 4 in a row), and nothing is drafted but the probes."""
+    policy = _policy_with_costs()
+    losing = {f"bad{i}": ROWS for i in range(8)}
+    for request_id in losing:
+        for _ in range(10):
+            policy.observe_cycle(request_id, ROWS, 0)
+    planned = []
+    best_rows = policy._best_rows
+    policy._best_rows = lambda *args, **kwargs: planned.append(1) or best_rows(*args, **kwargs)
+    for _ in range(100):
+        plan = policy.plan(losing)
+        assert not plan.draft_rows or plan.is_probe
+        for request_id, rows in plan.draft_rows.items():
+            policy.observe_cycle(request_id, rows, 0)
+    assert len(planned) < 40 and policy.num_quiet_steps > 50, (len(planned), policy.num_quiet_steps)
+
+
+def _drafts_right_after_a_good_cycle() -> bool:
+    """Four requests that lose, until the policy is in a quiet stretch; then another request's
+    cycles accept 14 of 15 rows (the engine-wide estimates rise): does the very next step draft?"""
+    policy = _policy_with_costs()
+    pair = {"a": ROWS, "b": ROWS, "c": ROWS, "d": ROWS}
+    for request_id in pair:
+        for _ in range(10):
+            policy.observe_cycle(request_id, ROWS, 0)
+    for step in range(200):
+        plan = policy.plan(pair)
+        for request_id, rows in plan.draft_rows.items():
+            policy.observe_cycle(request_id, rows, 0)
+        if step > 30 and policy._quiet is not None and policy._quiet[2] >= 2:
+            break
+    else:
+        raise AssertionError("no quiet stretch")
+    for _ in range(20):  # all but the last row: cycles after a partly accepted block, as a and b's
+        policy.observe_cycle("good", ROWS, ROWS - 1)
+    plan = policy.plan(pair)
+    return bool(plan.draft_rows) and not plan.is_probe
+
+
+def test_quiet_steps_end_when_a_cycle_is_observed():
+    """A cycle observed anywhere changes the engine-wide estimates the quiet steps' requests lean
+    on, so the next step plans again (and drafts: the good cycles made it pay); with the fault the
+    quiet stretch runs on."""
+    assert _drafts_right_after_a_good_cycle()
+    with faults.inject("policy.quiet_steps_ignore_cycles"):
+        assert not _drafts_right_after_a_good_cycle()
+
+
+def test_a_lone_request_is_planned_every_step():
+    """A plan found a few steps late costs a lone request most, and its plan is cheap: no quiet
+    steps below 4 requests."""
+    policy = _policy_with_costs()
+    for _ in range(10):
+        policy.observe_cycle("r", ROWS, 0)
+    for _ in range(50):
+        for request_id, rows in policy.plan({"r": ROWS}).draft_rows.items():
+            policy.observe_cycle(request_id, rows, 0)
+    assert policy.num_quiet_steps == 0
