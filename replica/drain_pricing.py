@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from dspine import faults
 
-__all__ = ["DrainPricing", "drain_pricing", "expected_shortest_run", "shortest_runs"]
+__all__ = ["DrainPricing", "drain_pricing", "shortest_runs"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,6 @@ class DrainPricing:
     lead_token_value: float = 0.0
     critical: frozenset[str] = frozenset()
     lead: int = 0
-
-    @property
-    def is_full(self) -> bool:
-        """Every accepted token counts in full (a replica whose freed slots are refilled)."""
-        return self.token_value >= 1.0 and not self.critical
 
 
 FULL = DrainPricing()
@@ -71,18 +66,12 @@ def drain_pricing(remaining: Mapping[str, int] | None, drafting_candidates: Sequ
                         critical=critical, lead=longest - max(others, default=0))
 
 
-def expected_shortest_run(gains: Sequence[Sequence[float]], rows: int) -> float:
-    """Expected accepted tokens of the request that accepts fewest, over its first ``rows`` rows.
+def shortest_runs(gains: Sequence[Sequence[float]], rows: int) -> list[float]:
+    """Expected accepted tokens of the request that accepts fewest, over its first 1, 2, ..., ``rows``
+    rows (a plan reads every row count: one pass over the rows).
 
     ``gains[i][t]``: request i's P(rows 1..t+1 accepted) (a request verifies no row past its own
     list). Requests accept independently, so P(every one accepts row t) is the product."""
-    runs = shortest_runs(gains, rows)
-    return runs[-1] if runs else 0.0
-
-
-def shortest_runs(gains: Sequence[Sequence[float]], rows: int) -> list[float]:
-    """:func:`expected_shortest_run` over the first 1, 2, ..., ``rows`` rows at once (a plan reads
-    every row count; one pass over the rows instead of one per count)."""
     runs: list[float] = []
     total = 0.0
     for t in range(rows):

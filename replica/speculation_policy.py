@@ -484,10 +484,10 @@ class SpeculationPolicy:
         batch = len(candidates) + num_target_only
         if not self.costs.ready:  # nothing measured yet: draft everything once to learn
             return self._drafting(StepPlan({r: m for r, m in candidates.items() if m > 0}), batch)
-        rows, riders_apart = {}, False
+        rows, riders_apart, pricing = {}, False, None
         if not quiet:
-            rows, riders_apart = self._best_rows(candidates, num_target_only, remaining=remaining,
-                                                 refill_share=refill_share)
+            pricing = self._pricing(candidates, remaining, refill_share)
+            rows, riders_apart = self._best_rows(candidates, num_target_only, pricing=pricing)
             self._after_plan(bool(rows))
         if rows:
             schedules = frozenset((self._kinds[r], batch) for r in rows)
@@ -508,7 +508,8 @@ class SpeculationPolicy:
             oldest = sorted((r for r, m in candidates.items() if m > 0 and self._kinds[r] in due),
                             key=lambda r: self._last_drafted.get(r, -1))
             probe = {r: min(candidates[r], _PROBE_ROWS[self._kinds[r]]) for r in oldest[:_PROBE_REQUESTS]}
-            if probe and not self._probe_could_pay(probe, batch, self._pricing(candidates, remaining, refill_share)):
+            if probe and not self._probe_could_pay(
+                    probe, batch, pricing or self._pricing(candidates, remaining, refill_share)):
                 # still due, its back-off unchanged: the next step where a probe could pay makes it
                 # (a lone request's last rows cannot, the next request's first ones can)
                 self.num_probes_skipped += 1
@@ -572,8 +573,8 @@ class SpeculationPolicy:
         return plan
 
     def _best_rows(self, candidates: dict[str, int], num_target_only: int, prune: bool = True,
-                   remaining: Mapping[str, int] | None = None,
-                   refill_share: float = 1.0) -> tuple[dict[str, int], bool]:
+                   remaining: Mapping[str, int] | None = None, refill_share: float = 1.0,
+                   pricing: DrainPricing | None = None) -> tuple[dict[str, int], bool]:
         """The plan with the most tokens per second, if it beats target-only, and whether its riders
         run apart: for each longest row count T, the requests with the most expected tokens from their
         first T rows.
@@ -587,7 +588,8 @@ class SpeculationPolicy:
         that no plan could win with (:meth:`_may_beat`); False searches them all, the reference
         the pruning is tested against.
 
-        ``remaining`` and ``refill_share`` price the tokens (``replica/drain_pricing.py``): where freed
+        ``remaining`` and ``refill_share`` price the tokens (``replica/drain_pricing.py``; ``pricing``:
+        that pricing already made from them): where freed
         slots stay empty a token is worth less, except one that shortens the batch's longest remaining
         output, which every one of the critical requests must accept (so a plan drafts all of them,
         and the others in order of gain, or none)."""
@@ -606,19 +608,20 @@ class SpeculationPolicy:
                                for r, m in candidates.items() if m > 0}
         best: tuple[int, list[str], bool] = (0, [], False)
         base = overhead_intercept + verify_intercept
-        pricing = self._pricing(candidates, remaining, refill_share)
+        if pricing is None:
+            pricing = self._pricing(candidates, remaining, refill_share)
         value = pricing.token_value
         has_lead = bool(pricing.critical) and pricing.lead_token_value > 0
         num_critical = len(pricing.critical)
         # Every T at once, from one number per request: none gains more than over all its rows, none
         # costs less than at T = 1. Most steps of requests that do not pay end here.
         if prune and drafting_candidates:
-            whole = [value * c * p.expected_tokens_at(m) for p, c, m in drafting_candidates.values()]
+            whole = {r: c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()}
             # the critical requests' shortest run is at most the least any of them expects
             lead_bound = pricing.lead_token_value * min(pricing.lead, min(
-                c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()
-                if r in pricing.critical)) if has_lead else 0.0
-            if not self._may_beat(best_rate, batch, whole, base, (verify_slope + overhead_slope) * 2,
+                whole[r] for r in pricing.critical)) if has_lead else 0.0
+            if not self._may_beat(best_rate, batch, [value * w for w in whole.values()], base,
+                                  (verify_slope + overhead_slope) * 2,
                                   lead_bound, num_critical):
                 return {}, False
         # the lead the critical requests may gain together over their first T rows, T = 1..num_rows
@@ -703,19 +706,18 @@ class SpeculationPolicy:
         pricing); such a plan drafts at least that many, so it is bounded the same way from k =
         ``num_critical`` on, and the plans without the lead as before."""
         top, total, count = max(gains), sum(gains), len(gains)
-        one = (batch + top) / (base + per_request)
-        # k * top, not the k = all plan's own tokens: the bound must hold for every k in between
-        every_tokens = total if faults.active("policy.plan_bound_unsound") else count * top
-        every = (batch + every_tokens) / (base + count * per_request)
+        unsound = faults.active("policy.plan_bound_unsound")
+
+        def bound(extra: float, fewest: int) -> float:
+            """The best rate of plans of ``fewest`` to ``count`` requests, ``extra`` tokens on top."""
+            first = (batch + extra + fewest * top) / (base + fewest * per_request)
+            # k * top, not the k = all plan's own tokens: the bound must hold for every k in between
+            every = (batch + extra + (total if unsound else count * top)) / (base + count * per_request)
+            return min(max(first, every), (batch + extra + total) / (base + fewest * per_request))
+
         # the slack: a bound equal to a plan's rate must not drop it by a rounding of the division
-        if min(max(one, every), (batch + total) / (base + per_request)) > best_rate * (1 - 1e-12):
-            return True
-        if lead <= 0 or not num_critical:
-            return False
-        first = (batch + lead + num_critical * top) / (base + num_critical * per_request)
-        every = (batch + lead + count * top) / (base + count * per_request)
-        cap = (batch + lead + total) / (base + num_critical * per_request)
-        return min(max(first, every), cap) > best_rate * (1 - 1e-12)
+        floor = best_rate * (1 - 1e-12)
+        return bound(0.0, 1) > floor or (lead > 0 and num_critical > 0 and bound(lead, num_critical) > floor)
 
     def _best_rows_by_gain(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
         """The plan priced by unpadded rows (the fault ``policy.verify_cost_by_unpadded_rows``): rows in

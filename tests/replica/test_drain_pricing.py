@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dspine import faults
-from dspine.replica.drain_pricing import FULL, drain_pricing, expected_shortest_run
+from dspine.replica.drain_pricing import FULL, drain_pricing, shortest_runs
 from dspine.replica.speculation_policy import SpeculationPolicy
 from dspine_testing.policies import policy_with_costs
 
@@ -26,8 +26,8 @@ def _policy(forward=TARGET_LINE, overhead=(0.002, 0.001)) -> SpeculationPolicy:
 
 def test_the_shortest_run_is_the_product_of_the_requests_chances_row_by_row():
     one, two = [0.9, 0.81, 0.5], [0.5, 0.25]
-    assert expected_shortest_run([one], 3) == pytest.approx(sum(one))
-    assert expected_shortest_run([one, two], 3) == pytest.approx(0.9 * 0.5 + 0.81 * 0.25)  # two has no row 3
+    assert shortest_runs([one], 3) == pytest.approx([0.9, 0.9 + 0.81, sum(one)])
+    assert shortest_runs([one, two], 3)[-1] == pytest.approx(0.9 * 0.5 + 0.81 * 0.25)  # two has no row 3
     # against a simulation of two requests accepting independently
     rng = random.Random(0)
     conditionals = [[0.9, 0.9, 0.6], [0.5, 0.5]]
@@ -41,7 +41,7 @@ def test_the_shortest_run_is_the_product_of_the_requests_chances_row_by_row():
     trials = 40000
     mean_min = sum(min(accepted(conditionals[0]), accepted(conditionals[1])) for _ in range(trials)) / trials
     gains = [[0.9, 0.81, 0.486], [0.5, 0.25]]
-    assert mean_min == pytest.approx(expected_shortest_run(gains, 3), abs=0.02)
+    assert mean_min == pytest.approx(shortest_runs(gains, 3)[-1], abs=0.02)
 
 
 def test_pricing_at_one_request_or_a_refilled_replica_counts_every_token_in_full():
