@@ -116,6 +116,16 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_a_noisy_target_step_time_does_not_pick_the_drafting_steps
     "policy.target_cost_fast_decay": "the target-only cost line forgets as fast as the drafting lines (about "
                                      "ten steps), so a few slow steps select the moments a plan drafts",
+    # tests/replica/test_speculation_policy.py::test_a_stalled_step_does_not_lift_the_cost_lines
+    # tests/replica/test_speculation_policy.py::test_a_stalled_target_step_does_not_start_drafting_steps_that_lose
+    "policy.cost_stalls_kept": "a step that stalled (tens of times its line's estimate) counts at its full "
+                               "time, lifting the line for many steps",
+    # tests/replica/test_speculation_policy.py::test_a_lone_sampled_request_that_does_not_pay_is_planned_on_few_steps
+    "policy.quiet_steps_need_many_requests": "quiet steps only at 4 or more requests, even when every "
+                                             "candidate samples (a lone sampled request planned every step)",
+    # tests/replica/test_gc_freeze.py
+    "gc.not_frozen": "programs that load an engine leave its objects in the collector's generations "
+                     "(every full collection walks them all: a 95-113 ms stall on a 2-core CPU)",
     # tests/replica/test_speculation_policy.py::test_a_request_that_stopped_drafting_drafts_again_when_its_evidence_fades
     "policy.idle_evidence_kept": "a request's own acceptance evidence keeps its weight while it decodes "
                                  "target-only, so a few failed cycles keep it from drafting until a probe",

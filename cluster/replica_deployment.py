@@ -55,6 +55,7 @@ class EngineReplica:
 
     def __init__(self, config: dict | ClusterConfig):
         from dspine.replica import Engine
+        from dspine.replica.gc_freeze import freeze_after_load
 
         self.config = ClusterConfig.model_validate(config)
         model = self.config.model
@@ -62,6 +63,7 @@ class EngineReplica:
         sampled_draft_dir = resolve_sampled_draft_dir(model.target_dir, model.draft_dir, model.sampled_draft_dir)
         engine_config = self.config.engine.engine_config(self.config.replica_threads)
         self.engine = Engine.from_pretrained(target_dir, draft_dir, engine_config, sampled_draft_dir=sampled_draft_dir)
+        freeze_after_load()  # this actor's process hosts this one engine (replica/gc_freeze.py)
         replica_id = _replica_id()
         tracing.configure("dspine-replica", replica_id=replica_id)
         metrics = (ServingMetrics(load=self.engine.load)

@@ -26,7 +26,7 @@ forecasts; the verify forward costs its padded rows, every request of the step
 times the longest one's, or the riders run a target-only forward of their own
 when that is cheaper), and compares it with a target-only step. When
 target-only wins, a probe step drafts again after a while (4 steps, doubling
-up to 64 while speculation keeps losing; 128 for sampled requests, each kind
+up to 64 while speculation keeps losing; 256 for sampled requests, each kind
 and batch size on its own schedule) so a request whose text becomes
 predictable is noticed. The back-off starts over only after a planned drafting
 step that paid (one that committed at least the tokens a target-only step would
@@ -73,6 +73,11 @@ _COST_DECAY = 0.9
 _TARGET_COST_DECAY = 0.98
 # A kind's forecasts are scaled by what its planned cycles accepted against what they forecast
 # (decayed over about twenty such cycles, with this many forecast tokens of prior at ratio 1).
+# A step slower than this many times its line's estimate is read as this many times (see
+# LinearCost.observe): a stall is not the machine's speed.
+_STALL_FACTOR = 3.0
+# Weight of history a line needs before it judges a step a stall (its first steps are its estimate).
+_STALL_MIN_WEIGHT = 5.0
 _CALIBRATION_DECAY = 0.95
 _CALIBRATION_PRIOR_TOKENS = 2.0
 _CALIBRATION_RANGE = (0.5, 1.5)
@@ -83,9 +88,9 @@ _FIRST_PROBE_INTERVAL = 4
 # Each kind of request backs off on its own schedule (a stream of sampled requests that do not
 # pay must not delay the probes that find a greedy request's runs). A sampled probe costs about
 # 1.3 target-only steps on a 2-core CPU (a cycle of 3.3 steps for 2 tokens) and sampled
-# acceptance does not come in runs, so its back-off goes twice as far: about 1% of the decode
-# time spent on probes, not 2%.
-_MAX_PROBE_INTERVAL = {"greedy": 64, "sampled": 128}
+# acceptance does not come in runs, so its back-off goes four times as far: at 128, 51 probes in
+# 6,000 steps of one request at temperature 0.7 were 0.8% of its decode time.
+_MAX_PROBE_INTERVAL = {"greedy": 64, "sampled": 256}
 # Rows a probe verifies per request. Greedy acceptance comes in runs (on the embedded pair a
 # fully accepted block is followed by another 90% of the time, by 3.5% otherwise), and a probe
 # that stops at row 4 cannot see the run that makes drafting pay: 8 greedy requests in flight
@@ -115,14 +120,32 @@ class LinearCost:
 
     Until two different ``x`` have been seen the slope is unidentified; the fit then scales
     the mean time with ``prior_slope_share`` (slope as a share of the intercept), and with no
-    observation at all :meth:`predict` returns None."""
+    observation at all :meth:`predict` returns None. A stall (one observation more than
+    ``stall_factor`` times the line's estimate at an ``x`` inside the range seen) is read as
+    ``stall_factor`` times the estimate."""
 
-    def __init__(self, prior_slope_share: float, decay: float = _COST_DECAY):
+    def __init__(self, prior_slope_share: float, decay: float = _COST_DECAY, stall_factor: float = _STALL_FACTOR):
         self.prior_slope_share = prior_slope_share
         self.decay = decay
+        self.stall_factor = stall_factor
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._x_range = (float("inf"), float("-inf"))
+        self.num_stalls = 0
 
     def observe(self, x: float, seconds: float) -> None:
+        # A step that stalled (a garbage collection, the OS taking a core: one target step of 122 ms
+        # among steps of 2.6 ms, one request at temperature 0.7 on a 2-core CPU) lifted a target-only
+        # estimate that forgets in fifty steps to 5 ms for a hundred steps, and drafting steps planned
+        # against 5 ms lost. Capped at three times the estimate it moves the estimate a few percent.
+        # Only between the x already seen: an estimate extrapolated on the prior slope may be far off.
+        low, high = self._x_range
+        if (self._w >= _STALL_MIN_WEIGHT and low <= x <= high
+                and not faults.active("policy.cost_stalls_kept")):
+            cap = self.stall_factor * self.predict(x)
+            if seconds > cap:
+                seconds = cap
+                self.num_stalls += 1
+        self._x_range = (min(low, x), max(high, x))
         d = self.decay
         self._w = d * self._w + 1.0
         self._x = d * self._x + x
@@ -418,7 +441,7 @@ class SpeculationPolicy:
         Returns the rows each drafting request verifies."""
         if not candidates:
             return StepPlan({})
-        quiet = self._quiet_step(candidates, num_target_only)
+        quiet = self._quiet_step(candidates, num_target_only, sampled)
         if not quiet:
             for request_id in candidates:  # the fades of the quiet steps before, before it plans
                 for _ in range(self._pending_fades.pop(request_id, 0)):
@@ -437,16 +460,20 @@ class SpeculationPolicy:
         for profile in self._profiles[request_id].values():
             profile.fade(_IDLE_EVIDENCE_DECAY)
 
-    def _quiet_step(self, candidates: dict[str, int], num_target_only: int) -> bool:
+    def _quiet_step(self, candidates: dict[str, int], num_target_only: int,
+                    sampled: frozenset[str] = frozenset()) -> bool:
         """Whether this step skips planning: the same requests (and rows) as the last plans, which
         found nothing to draft, and no cycle observed since (the engine-wide profiles unchanged).
 
-        Only steps of at least ``_QUIET_MIN_REQUESTS`` requests. After ``n`` such plans in a row
+        Only steps of at least ``_QUIET_MIN_REQUESTS`` requests, or whose candidates all sample:
+        sampled acceptance does not come in runs, so a plan found a few steps late loses little,
+        while planning was 1% of a lone sampled request's steps. After ``n`` such plans in a row
         the next ``min(n, _MAX_QUIET_STEPS)`` steps are not planned;
         only the per-step fades (applied before the next plan) and the cost lines move their
         inputs meanwhile. With 8 greedy requests in flight that drafted nothing, planning was
         0.16-0.17 ms of a 6.5 ms step on a 2-core CPU."""
-        if len(candidates) + num_target_only < _QUIET_MIN_REQUESTS:
+        all_sampled = sampled.issuperset(candidates) and not faults.active("policy.quiet_steps_need_many_requests")
+        if len(candidates) + num_target_only < _QUIET_MIN_REQUESTS and not all_sampled:
             self._quiet = None
             return False
         versions = tuple(profile.version for profile in self.engine_profiles.values())

@@ -12,6 +12,9 @@ import os
 
 import torch
 
+# Programs that load an engine freeze the objects alive then (replica/gc_freeze.py); the suite runs
+# many of their entry points in one process, whose cycles would all stay alive.
+os.environ.setdefault("DSPINE_GC_FREEZE", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)

@@ -145,10 +145,12 @@ def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
     from dspine.benchmarks.prompts import heldout_prompts
     from dspine.benchmarks.sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, bench_sweep, format_sweep, prompt_pool_size
     from dspine.replica import Engine
+    from dspine.replica.gc_freeze import freeze_after_load
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args, max_concurrency=8),
                                     sampled_draft_dir=_sampled_draft_dir(args))
+    freeze_after_load()
     seed = 0 if args.seed is None else args.seed
     groups = GROUPS_IN_FLIGHT if args.groups_in_flight is None else args.groups_in_flight
     if groups < 1:
@@ -187,11 +189,13 @@ def _bench_engine(args, target_dir: str, draft_dir: str) -> int:
     from dspine.benchmarks.engine import bench_engine
     from dspine.benchmarks.prompts import heldout_prompts
     from dspine.replica import Engine, SamplingParams
+    from dspine.replica.gc_freeze import freeze_after_load
 
     # One engine for every phase: a second engine's thread would slow both (replica/device_thread.py).
     engine = Engine.from_pretrained(target_dir, draft_dir,
                                     engine_config(args, max_concurrency=max(args.concurrency, 1)),
                                     sampled_draft_dir=_sampled_draft_dir(args))
+    freeze_after_load()
     report = bench_engine(target_dir, draft_dir, sampling_from_args(args), num_prompts=args.num_prompts,
                           prompt_len=args.prompt_len, concurrency=args.concurrency, repeats=args.repeats,
                           engine=engine, trace_out=args.trace_out)

@@ -71,8 +71,12 @@ def engine_from_args(args, speculative_needed: bool = True):
     """The engine of --target/--draft (or the embedded pair) with the flags' config."""
     from dspine.replica import Engine
 
+    from dspine.replica.gc_freeze import freeze_after_load
+
     target_dir, draft_dir, sampled_draft_dir = model_dirs_from_args(args, speculative_needed)
-    return Engine.from_pretrained(target_dir, draft_dir, engine_config(args), sampled_draft_dir=sampled_draft_dir)
+    engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(args), sampled_draft_dir=sampled_draft_dir)
+    freeze_after_load()
+    return engine
 
 
 def model_dirs_from_args(args, speculative_needed: bool) -> tuple[str, str | None, str | None]:

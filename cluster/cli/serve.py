@@ -151,6 +151,7 @@ def cmd_serve(args) -> int:
     from pathlib import Path
 
     from dspine.replica import Engine
+    from dspine.replica.gc_freeze import freeze_after_load
 
     from ..server import ServerConfig, serve_forever
     from .options import model_dirs_from_args
@@ -161,6 +162,7 @@ def cmd_serve(args) -> int:
     engine = Engine.from_pretrained(target_dir, draft_dir, engine_config(
         args, max_concurrency=args.max_concurrency or 8, max_seq_len=args.max_seq_len),
         sampled_draft_dir=sampled_draft_dir)
+    freeze_after_load()
     asyncio.run(serve_forever(engine, config))
     return 0
 

@@ -291,17 +291,17 @@ def test_probes_back_off_while_speculation_loses():
 
 
 def test_each_kind_backs_off_on_its_own_schedule():
-    """A sampled request's probes back off to every 128th step (a greedy one's to every 64th), and a
+    """A sampled request's probes back off to every 256th step (a greedy one's to every 64th), and a
     long losing stretch of sampled requests does not delay the first probe of a greedy request."""
     policy = _policy_with_costs()
     policy.profile("s", sampled=True)  # a sampled request (the engine plans before it observes)
     for _ in range(10):
         policy.observe_cycle("s", ROWS, 0)
     sampled = frozenset({"s"})
-    drafted = [bool(policy.plan({"s": ROWS}, sampled=sampled).draft_rows) for _ in range(400)]
+    drafted = [bool(policy.plan({"s": ROWS}, sampled=sampled).draft_rows) for _ in range(800)]
     probes = [i for i, d in enumerate(drafted) if d]
-    assert probes[:7] == [3, 11, 27, 59, 123, 251, 379]  # 8, 16, 32, 64, then 128 apart
-    assert policy.probe_interval("sampled") == 128 and policy.probe_interval("greedy") == 4
+    assert probes[:8] == [3, 11, 27, 59, 123, 251, 507, 763]  # 8, 16, 32, 64, 128, then 256 apart
+    assert policy.probe_interval("sampled") == 256 and policy.probe_interval("greedy") == 4
     for _ in range(10):
         policy.observe_cycle("g", ROWS, 0)
     first_greedy_probe = next(i for i in range(200)
@@ -464,29 +464,71 @@ def test_a_forecast_that_holds_keeps_its_calibration_at_one():
     assert policy.plan({"r": ROWS}).draft_rows == {"r": 4}
 
 
+def _planned_with_one_row_accepted(target_seconds) -> int:
+    """Planned drafting steps in 3,000 of one request whose row 1 is always accepted and row 2 never:
+    a drafting step of 1 row costs 2.2 x a 4.8 ms target step for 2 tokens, so none pays."""
+    policy = SpeculationPolicy(ROWS)
+    for rows in (1, 2, 4, 16):
+        policy.costs.observe_speculative(rows, rows, 0.0054 + 0.0001 * rows, 0.0055)
+    for _ in range(20):
+        policy.observe_cycle("r", ROWS, 1)
+    planned, _, _ = _simulated(policy, lambda step, rows: min(rows, 1), 3000, target_seconds=target_seconds)
+    return planned
+
+
 def test_a_noisy_target_step_time_does_not_pick_the_drafting_steps():
     """Every row 1 accepted and row 2 never: a drafting step commits 2 tokens for 2.2 target-only
     steps' time at the mean target step, so it never pays. One target step in ten takes three
     times as long; an estimate that forgets in ten steps rises past the break-even after such
     steps and plans drafting steps there, one that forgets in fifty rarely does."""
     rng = random.Random(1)
-
-    def target_seconds(step: int) -> float:
-        return 0.004 * (3.0 if rng.random() < 0.1 else 1.0)
-
-    def run() -> int:
-        policy = SpeculationPolicy(ROWS)
-        for rows in (1, 2, 4, 16):  # a drafting step of 1 row: 2.2 x the mean target step (4.8 ms)
-            policy.costs.observe_speculative(rows, rows, 0.0054 + 0.0001 * rows, 0.0055)
-        for _ in range(20):
-            policy.observe_cycle("r", ROWS, 1)
-        planned, _, _ = _simulated(policy, lambda step, rows: min(rows, 1), 3000, target_seconds=target_seconds)
-        return planned
-
-    planned = run()
+    planned = _planned_with_one_row_accepted(lambda step: 0.004 * (3.0 if rng.random() < 0.1 else 1.0))
     with faults.inject("policy.target_cost_fast_decay"):
-        planned_fast = run()
+        planned_fast = _planned_with_one_row_accepted(lambda step: 0.004 * (3.0 if rng.random() < 0.1 else 1.0))
     assert planned < 0.25 * planned_fast and planned_fast > 100, (planned, planned_fast)
+
+
+def test_a_stalled_step_does_not_lift_the_cost_lines():
+    """One step of 122 ms among steps of 2.6 ms (a collection, the OS): the line's estimate moves a
+    few percent, where counted in full it doubles; a machine that really got slower is still
+    followed (each step counts up to three times the estimate), and a first step or one at rows
+    never seen is not judged (nothing to judge it by)."""
+    def line() -> LinearCost:
+        cost = LinearCost(prior_slope_share=0.05, decay=0.98)
+        for _ in range(100):
+            cost.observe(1, 0.0026)
+        return cost
+
+    cost = line()
+    cost.observe(1, 0.122)
+    assert cost.predict(1) < 1.06 * 0.0026 and cost.num_stalls == 1
+    with faults.inject("policy.cost_stalls_kept"):
+        kept = line()
+        kept.observe(1, 0.122)
+    assert kept.predict(1) > 1.9 * 0.0026
+    slower = line()
+    for _ in range(200):  # five times slower from now on
+        slower.observe(1, 0.013)
+    assert slower.predict(1) == pytest.approx(0.013, rel=0.05)
+    fresh = LinearCost(prior_slope_share=0.05)
+    fresh.observe(1, 0.122)
+    assert fresh.predict(1) == pytest.approx(0.122)
+    cost.observe(16, 0.122)  # 16 rows: never seen, so not a stall
+    assert cost.num_stalls == 1
+
+
+def test_a_stalled_target_step_does_not_start_drafting_steps_that_lose():
+    """Row 1 always accepted, row 2 never: a drafting step commits 2 tokens for 2.2 target-only steps'
+    time, so it never pays. A few target steps stall at 30 times their time; counted in full, each
+    stall lifts the target-only estimate past the break-even for dozens of steps, and those steps
+    draft."""
+    def target_seconds(step: int) -> float:
+        return 0.004 * (30.0 if step % 500 == 250 else 1.0)
+
+    planned = _planned_with_one_row_accepted(target_seconds)
+    with faults.inject("policy.cost_stalls_kept"):
+        planned_kept = _planned_with_one_row_accepted(target_seconds)
+    assert planned < 0.25 * planned_kept and planned_kept > 60, (planned, planned_kept)
 
 
 def _runs_and_hard_stretches(step: int, rows: int) -> int:
@@ -696,3 +738,22 @@ def test_a_lone_request_is_planned_every_step():
         for request_id, rows in policy.plan({"r": ROWS}).draft_rows.items():
             policy.observe_cycle(request_id, rows, 0)
     assert policy.num_quiet_steps == 0
+
+
+def _quiet_steps_of_a_lone_sampled_request() -> int:
+    policy = _policy_with_costs()
+    policy.profile("s", sampled=True)
+    for _ in range(10):
+        policy.observe_cycle("s", ROWS, 0)
+    for _ in range(100):
+        for request_id, rows in policy.plan({"s": ROWS}, sampled=frozenset({"s"})).draft_rows.items():
+            policy.observe_cycle(request_id, rows, 0)
+    return policy.num_quiet_steps
+
+
+def test_a_lone_sampled_request_that_does_not_pay_is_planned_on_few_steps():
+    """Sampled acceptance does not come in runs, so a lone sampled request has quiet steps (its plan
+    was 1% of its step); with the fault it is planned on every step, as a lone greedy one is."""
+    assert _quiet_steps_of_a_lone_sampled_request() > 50
+    with faults.inject("policy.quiet_steps_need_many_requests"):
+        assert _quiet_steps_of_a_lone_sampled_request() == 0
