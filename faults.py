@@ -126,6 +126,15 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_gc_freeze.py
     "gc.not_frozen": "programs that load an engine leave its objects in the collector's generations "
                      "(every full collection walks them all: a 95-113 ms stall on a 2-core CPU)",
+    # tests/replica/test_speculation_policy.py::test_requests_that_cannot_pay_until_a_cycle_have_long_quiet_stretches
+    "policy.quiet_steps_uncertified": "no plan is certified unable to pay until a cycle: quiet stretches stay "
+                                      "at most 4 steps",
+    # tests/replica/test_speculation_policy.py::test_a_certified_quiet_stretch_holds_however_far_the_evidence_fades
+    "policy.quiet_certificate_ignores_fades": "the quiet-step certificate reads the requests' present estimates, "
+                                              "not the best their fades toward the engine-wide ones could reach",
+    # tests/replica/test_speculation_policy.py::test_quiet_steps_only_count_and_decide_as_the_bookkeeping_did
+    "policy.quiet_steps_do_the_bookkeeping": "every quiet step runs the plan's bookkeeping (profiles, probe "
+                                             "schedules, fades per request) instead of only counting",
     # tests/replica/test_speculation_policy.py::test_a_request_that_stopped_drafting_drafts_again_when_its_evidence_fades
     "policy.idle_evidence_kept": "a request's own acceptance evidence keeps its weight while it decodes "
                                  "target-only, so a few failed cycles keep it from drafting until a probe",

@@ -42,7 +42,10 @@ refilled measured by ``replica/slot_refills.py``): running one request ahead of
 the others buys them a thinner, dearer batch later. Probes follow the same
 prices: a probe that could not pay even if every row were accepted is not made.
 After plans that found nothing to draft for the same requests, with no cycle
-observed since, the next steps (1, 2, up to 4 in a row) are not planned at all.
+observed since, the next steps (1, 2, up to 4 in a row; 16 once a plan over the
+best estimates their fades could reach finds nothing either) are not planned, and
+most of them only count. The cost lines read a stalled step (a collection, the OS)
+as three times their estimate, not its full time.
 
 Lossless by construction: a plan is made before the step drafts anything,
 from past cycles and timings only, so whether a row is verified never depends
@@ -108,6 +111,12 @@ _IDLE_EVIDENCE_DECAY = 0.9
 # Steps at most that follow plans which found nothing to draft without planning again (see
 # SpeculationPolicy._quiet_step): a plan that would pay is found at most this many steps late.
 _MAX_QUIET_STEPS = 4
+# Quiet steps in a row once a plan has shown that no plan could pay however far the requests' own
+# evidence fades (see SpeculationPolicy._cannot_pay_while_quiet), with this margin on the
+# target-only rate for the cost lines' drift meanwhile: at most 4, 8 greedy requests in flight
+# that drafted nothing still planned 31% of their steps.
+_MAX_CERTAIN_QUIET_STEPS = 16
+_CERTAIN_QUIET_MARGIN = 0.9
 # Requests a step needs for quiet steps: a plan's cost grows with them (0.16 ms a step at 8 on a
 # 2-core CPU, a few hundredths at 1), while a plan found late costs a lone request most (one
 # greedy request, 128 tokens, read 1.50x and 1.31x with quiet steps against 1.69x and 1.45x
@@ -358,6 +367,23 @@ class AcceptanceProfile:
             self.prior.observe(num_verified, accepted_len)
 
 
+class _RowEstimates:
+    """Fixed per-row conditionals read as an :class:`AcceptanceProfile` is by the plan search."""
+
+    def __init__(self, conditionals: list[float]):
+        self._gains = list(accumulate(conditionals, operator.mul))
+        self._expected = list(accumulate(self._gains))
+
+    def gains(self, max_rows: int) -> list[float]:
+        return self._gains[:max(0, max_rows)]
+
+    def expected_tokens(self, max_rows: int) -> list[float]:
+        return self._expected[:max(0, max_rows)]
+
+    def expected_tokens_at(self, num_rows: int) -> float:
+        return self._expected[min(num_rows, len(self._expected)) - 1]
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Draft rows to verify per request that drafts this step (absent: a target-only token)."""
@@ -412,9 +438,13 @@ class SpeculationPolicy:
         self.num_probes = 0
         self.num_probes_skipped = 0  # steps whose due probe was not made: not even a perfect cycle would pay
         # (signature of the last plans' inputs, plans in a row that found nothing, quiet steps left)
-        self._quiet: tuple[tuple, int, int] | None = None
+        # (signature, rows per request, plans in a row that found nothing, quiet steps left)
+        self._quiet: tuple[tuple, dict[str, int], int, int] | None = None
         self._pending_fades: dict[str, int] = {}  # request id -> fades owed from quiet steps
         self.num_quiet_steps = 0
+        self._skipped_probe: tuple | None = None  # the quiet signature of the last probe not made
+        self._quiet_schedules: tuple[tuple, set] | None = None  # (quiet signature, its probe schedules)
+        self._stretch_fades: tuple[frozenset, int] | None = None  # (the stretch's requests, fades owed)
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
 
@@ -442,10 +472,17 @@ class SpeculationPolicy:
         if not candidates:
             return StepPlan({})
         quiet = self._quiet_step(candidates, num_target_only, sampled)
+        if quiet and self._counted_quiet_step(candidates, num_target_only):
+            return StepPlan({})
+        if self._stretch_fades:  # owed by every candidate of the stretch's quiet steps
+            for request_id in self._stretch_fades[0].intersection(candidates):
+                self._pending_fades[request_id] = self._pending_fades.get(request_id, 0) + self._stretch_fades[1]
+            self._stretch_fades = None
         if not quiet:
             for request_id in candidates:  # the fades of the quiet steps before, before it plans
-                for _ in range(self._pending_fades.pop(request_id, 0)):
-                    self._fade(request_id)
+                times = self._pending_fades.pop(request_id, 0)
+                if times:
+                    self._fade(request_id, times)
         plan = self._plan(candidates, num_target_only, sampled, remaining, refill_share, quiet=quiet)
         if not faults.active("policy.idle_evidence_kept"):
             for request_id in candidates:
@@ -456,9 +493,39 @@ class SpeculationPolicy:
                         self._fade(request_id)
         return plan
 
-    def _fade(self, request_id: str) -> None:
+    def _fade(self, request_id: str, times: int = 1) -> None:
         for profile in self._profiles[request_id].values():
-            profile.fade(_IDLE_EVIDENCE_DECAY)
+            profile.fade(_IDLE_EVIDENCE_DECAY ** times)
+
+    def _counted_quiet_step(self, candidates: dict[str, int], num_target_only: int) -> bool:
+        """A quiet step that only counts: no probe of its requests' kinds comes due (or the one due
+        was found unable to pay earlier in this stretch), so nothing but the counters moves (its
+        fades are owed by the whole stretch at once). False: :meth:`_plan` decides the probe.
+
+        Most steps of 8 requests that do not pay are such steps; the plan's bookkeeping of a quiet
+        step (profiles, the probe schedule, the fades owed, per request) was 45-70 us of a 5.5 ms
+        step on a 2-core CPU."""
+        if faults.active("policy.quiet_steps_do_the_bookkeeping"):
+            return False
+        signature = self._quiet[0]
+        batch = len(candidates) + num_target_only
+        schedules = {self._schedule(self._kinds[r], batch) for r in signature[0]} \
+            if self._quiet_schedules is None or self._quiet_schedules[0] != signature else self._quiet_schedules[1]
+        self._quiet_schedules = (signature, schedules)
+        skipped = False
+        for schedule in schedules:
+            if self._steps_without_draft.get(schedule, 0) + 1 >= self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL):
+                if self._skipped_probe != signature:
+                    return False
+                skipped = True
+        for schedule in schedules:
+            self._steps_without_draft[schedule] = self._steps_without_draft.get(schedule, 0) + 1
+        self.num_probes_skipped += skipped
+        self.num_decode_steps += 1
+        if not faults.active("policy.idle_evidence_kept"):
+            ids, times = self._stretch_fades or (signature[0], 0)
+            self._stretch_fades = (ids, times + 1)
+        return True
 
     def _quiet_step(self, candidates: dict[str, int], num_target_only: int,
                     sampled: frozenset[str] = frozenset()) -> bool:
@@ -479,26 +546,31 @@ class SpeculationPolicy:
         versions = tuple(profile.version for profile in self.engine_profiles.values())
         if faults.active("policy.quiet_steps_ignore_cycles"):
             versions = ()
-        signature = (frozenset(candidates.items()), num_target_only, versions)
-        if self._quiet is None or self._quiet[0] != signature:
-            self._quiet = (signature, 0, 0)
+        signature = (frozenset(candidates), num_target_only, versions)
+        # Rows that only shrink (a request's last tokens cap them) keep the stretch: every plan with
+        # fewer rows was one with more rows verifying less, which cost no less and gained no more.
+        if (self._quiet is None or self._quiet[0] != signature
+                or any(rows > self._quiet[1][r] for r, rows in candidates.items())):
+            self._quiet = (signature, dict(candidates), 0, 0)
             return False
-        _, streak, left = self._quiet
+        _, _, streak, left = self._quiet
+        self._quiet = (signature, dict(candidates), streak, max(0, left - 1))
         if left > 0:
-            self._quiet = (signature, streak, left - 1)
             self.num_quiet_steps += 1
             return True
         return False
 
-    def _after_plan(self, drafted: bool) -> None:
-        """A planned step (not a quiet one) found a plan (``drafted``) or none."""
+    def _after_plan(self, drafted: bool, certain: bool = False) -> None:
+        """A planned step (not a quiet one) found a plan (``drafted``) or none (``certain``: and none
+        could pay until a cycle is observed, :meth:`_cannot_pay_while_quiet`)."""
         if self._quiet is None:
             return
         if drafted:
             self._quiet = None
             return
-        signature, streak, _ = self._quiet
-        self._quiet = (signature, streak + 1, min(streak + 1, _MAX_QUIET_STEPS))
+        signature, caps, streak, _ = self._quiet
+        left = _MAX_CERTAIN_QUIET_STEPS if certain else min(streak + 1, _MAX_QUIET_STEPS)
+        self._quiet = (signature, caps, streak + 1, left)
 
     def _plan(self, candidates: dict[str, int], num_target_only: int, sampled: frozenset[str],
               remaining: Mapping[str, int] | None = None, refill_share: float = 1.0, quiet: bool = False,
@@ -515,7 +587,8 @@ class SpeculationPolicy:
         if not quiet:
             pricing = self._pricing(candidates, remaining, refill_share)
             rows, riders_apart = self._best_rows(candidates, num_target_only, pricing=pricing)
-            self._after_plan(bool(rows))
+            self._after_plan(bool(rows), certain=not rows and self._quiet is not None
+                             and self._cannot_pay_while_quiet(candidates, num_target_only, pricing))
         if rows:
             schedules = frozenset((self._kinds[r], batch) for r in rows)
             if faults.active("policy.probe_interval_reset_by_any_draft"):
@@ -538,8 +611,10 @@ class SpeculationPolicy:
             if probe and not self._probe_could_pay(
                     probe, batch, pricing or self._pricing(candidates, remaining, refill_share)):
                 # still due, its back-off unchanged: the next step where a probe could pay makes it
-                # (a lone request's last rows cannot, the next request's first ones can)
+                # (a lone request's last rows cannot, the next request's first ones can); within a
+                # stretch of quiet steps, whose inputs are the stretch's, it is not asked again
                 self.num_probes_skipped += 1
+                self._skipped_probe = self._quiet[0] if self._quiet is not None else None
                 return StepPlan({})
             for kind in due:
                 schedule = self._schedule(kind, batch)
@@ -601,7 +676,8 @@ class SpeculationPolicy:
 
     def _best_rows(self, candidates: dict[str, int], num_target_only: int, prune: bool = True,
                    remaining: Mapping[str, int] | None = None, refill_share: float = 1.0,
-                   pricing: DrainPricing | None = None) -> tuple[dict[str, int], bool]:
+                   pricing: DrainPricing | None = None, profiles: Mapping[str, "_RowEstimates"] | None = None,
+                   rate_factor: float = 1.0) -> tuple[dict[str, int], bool]:
         """The plan with the most tokens per second, if it beats target-only, and whether its riders
         run apart: for each longest row count T, the requests with the most expected tokens from their
         first T rows.
@@ -619,11 +695,12 @@ class SpeculationPolicy:
         that pricing already made from them): where freed
         slots stay empty a token is worth less, except one that shortens the batch's longest remaining
         output, which every one of the critical requests must accept (so a plan drafts all of them,
-        and the others in order of gain, or none)."""
+        and the others in order of gain, or none). ``profiles``: each candidate's estimates in place
+        of its own; ``rate_factor``: a plan must beat that share of the target-only rate."""
         if faults.active("policy.verify_cost_by_unpadded_rows"):
             return self._best_rows_by_gain(candidates, num_target_only), False
         batch = len(candidates) + num_target_only
-        best_rate = batch / self.costs.step_seconds(batch)
+        best_rate = rate_factor * batch / self.costs.step_seconds(batch)
         overhead_intercept, overhead_slope = self.costs.draft_overhead.coefficients()
         verify_intercept, verify_slope = self.costs.verify_forward.coefficients()
         # the riders' own target-only forward, by their number (CostModel.step_cost); inf: they ride.
@@ -631,7 +708,8 @@ class SpeculationPolicy:
         riders_seconds: list[float] = []
         # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
         calibration = {kind: self.forecast_calibration(kind) for kind in self._calibration}
-        drafting_candidates = {r: (self.profile(r), calibration[self._kinds[r]], m)
+        drafting_candidates = {r: (profiles[r] if profiles is not None else self.profile(r),
+                                   calibration[self._kinds[r]], m)
                                for r, m in candidates.items() if m > 0}
         best: tuple[int, list[str], bool] = (0, [], False)
         base = overhead_intercept + verify_intercept
@@ -642,15 +720,10 @@ class SpeculationPolicy:
         num_critical = len(pricing.critical)
         # Every T at once, from one number per request: none gains more than over all its rows, none
         # costs less than at T = 1. Most steps of requests that do not pay end here.
-        if prune and drafting_candidates:
-            whole = {r: c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()}
-            # the critical requests' shortest run is at most the least any of them expects
-            lead_bound = pricing.lead_token_value * min(pricing.lead, min(
-                whole[r] for r in pricing.critical)) if has_lead else 0.0
-            if not self._may_beat(best_rate, batch, [value * w for w in whole.values()], base,
-                                  (verify_slope + overhead_slope) * 2,
-                                  lead_bound, num_critical):
-                return {}, False
+        if prune and drafting_candidates and not self._any_plan_may_beat(
+                best_rate, batch, {r: c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()},
+                pricing, base, verify_slope + overhead_slope):
+            return {}, False
         # the lead the critical requests may gain together over their first T rows, T = 1..num_rows
         leads = [pricing.lead_token_value * min(pricing.lead, run) for run in shortest_runs(
             [[c * g for g in p.gains(m)] for r, (p, c, m) in drafting_candidates.items() if r in pricing.critical],
@@ -691,6 +764,41 @@ class SpeculationPolicy:
                         best = (longest, [r for _, r in order[:count]], apart < riding)
         longest, drafting_ids, riders_apart = best
         return {request_id: min(longest, candidates[request_id]) for request_id in drafting_ids}, riders_apart
+
+    def _any_plan_may_beat(self, best_rate: float, batch: int, whole: dict[str, float], pricing: DrainPricing,
+                           base: float, slope: float) -> bool:
+        """:meth:`_may_beat` for every row count at once: ``whole``, each drafting candidate's expected
+        tokens over all its rows (none gains more at fewer), priced at one row's cost (none costs
+        less); ``base`` and ``slope``: the drafter's and the verify's fixed seconds and seconds per
+        row together."""
+        has_lead = bool(pricing.critical) and pricing.lead_token_value > 0
+        # the critical requests' shortest run is at most the least any of them expects
+        lead_bound = pricing.lead_token_value * min(pricing.lead, min(
+            whole[r] for r in pricing.critical)) if has_lead else 0.0
+        return self._may_beat(best_rate, batch, [pricing.token_value * w for w in whole.values()], base, slope * 2,
+                              lead_bound, len(pricing.critical))
+
+    def _cannot_pay_while_quiet(self, candidates: dict[str, int], num_target_only: int,
+                                pricing: DrainPricing) -> bool:
+        """Whether no plan could beat target-only (by ``_CERTAIN_QUIET_MARGIN``) until a cycle is observed.
+
+        Until then a request's estimates move only by its fades, and a faded conditional
+        ``(f a + w p) / (f s + w)`` lies between the present one and the prior's ``p`` for every
+        ``f``: with each row at the larger of the two, no fade gains more, so the plan search over
+        those estimates finding nothing certifies every fade. Then the stretch of quiet steps may be
+        long (``_MAX_CERTAIN_QUIET_STEPS``); the search is made once a stretch."""
+        if faults.active("policy.quiet_steps_uncertified"):
+            return False
+        optimistic = {}
+        for request_id, max_rows in candidates.items():
+            profile = self.profile(request_id)
+            own = profile.conditionals()
+            if profile.prior is not None and not faults.active("policy.quiet_certificate_ignores_fades"):
+                own = [max(now, engine_wide) for now, engine_wide in zip(own, profile.prior.conditionals())]
+            optimistic[request_id] = _RowEstimates(own)
+        rows, _ = self._best_rows(candidates, num_target_only, pricing=pricing, profiles=optimistic,
+                                  rate_factor=_CERTAIN_QUIET_MARGIN)
+        return not rows
 
     def _pricing(self, candidates: dict[str, int], remaining: Mapping[str, int] | None,
                  refill_share: float) -> DrainPricing:
