@@ -535,7 +535,8 @@ class SpeculationPolicy:
         Only steps of at least ``_QUIET_MIN_REQUESTS`` requests, or whose candidates all sample:
         sampled acceptance does not come in runs, so a plan found a few steps late loses little,
         while planning was 1% of a lone sampled request's steps. After ``n`` such plans in a row
-        the next ``min(n, _MAX_QUIET_STEPS)`` steps are not planned;
+        the next ``min(n, _MAX_QUIET_STEPS)`` steps are not planned (``_MAX_CERTAIN_QUIET_STEPS``
+        once :meth:`_cannot_pay_while_quiet` holds);
         only the per-step fades (applied before the next plan) and the cost lines move their
         inputs meanwhile. With 8 greedy requests in flight that drafted nothing, planning was
         0.16-0.17 ms of a 6.5 ms step on a 2-core CPU."""
@@ -790,7 +791,7 @@ class SpeculationPolicy:
         if faults.active("policy.quiet_steps_uncertified"):
             return False
         optimistic = {}
-        for request_id, max_rows in candidates.items():
+        for request_id in candidates:
             profile = self.profile(request_id)
             own = profile.conditionals()
             if profile.prior is not None and not faults.active("policy.quiet_certificate_ignores_fades"):
