@@ -131,11 +131,13 @@ def test_serve_cluster_refuses_standalone_only_flags(capsys):
 
 
 def test_bench_engine_writes_a_perfetto_trace_and_measures_tracing(saved_pair, tmp_path, capsys):
+    # --no-adaptive: every speculative step drafts, so the trace has verify stages whatever the
+    # adaptive policy would make of this random pair's timings (it may draft nothing in 16 tokens)
     target_dir, draft_dir = saved_pair
     out = tmp_path / "steps.json"
     assert main(["bench", "engine", "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "2",
                  "--prompt-len", "8", "--max-new-tokens", "8", "--repeats", "1", "--trace-out", str(out),
-                 "--tracing", "--device", "cpu", "--dtype", "float32"]) == 0
+                 "--tracing", "--device", "cpu", "--dtype", "float32", "--no-adaptive"]) == 0
     printed = capsys.readouterr().out
     assert "tracing on / off" in printed and f"wrote {out}" in printed
     events = json.loads(out.read_text())["traceEvents"]
