@@ -443,7 +443,6 @@ class SpeculationPolicy:
         self._pending_fades: dict[str, int] = {}  # request id -> fades owed from quiet steps
         self.num_quiet_steps = 0
         self._skipped_probe: tuple | None = None  # the quiet signature of the last probe not made
-        self._quiet_schedules: tuple[tuple, set] | None = None  # (quiet signature, its probe schedules)
         self._stretch_fades: tuple[frozenset, int] | None = None  # (the stretch's requests, fades owed)
         self.num_decode_steps = 0
         self.num_drafting_steps = 0
@@ -509,9 +508,7 @@ class SpeculationPolicy:
             return False
         signature = self._quiet[0]
         batch = len(candidates) + num_target_only
-        schedules = {self._schedule(self._kinds[r], batch) for r in signature[0]} \
-            if self._quiet_schedules is None or self._quiet_schedules[0] != signature else self._quiet_schedules[1]
-        self._quiet_schedules = (signature, schedules)
+        schedules = {self._schedule(kind, batch) for kind in {self._kinds[r] for r in candidates}}
         skipped = False
         for schedule in schedules:
             if self._steps_without_draft.get(schedule, 0) + 1 >= self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL):
@@ -721,10 +718,15 @@ class SpeculationPolicy:
         num_critical = len(pricing.critical)
         # Every T at once, from one number per request: none gains more than over all its rows, none
         # costs less than at T = 1. Most steps of requests that do not pay end here.
-        if prune and drafting_candidates and not self._any_plan_may_beat(
-                best_rate, batch, {r: c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()},
-                pricing, base, verify_slope + overhead_slope):
-            return {}, False
+        if prune and drafting_candidates:
+            whole = {r: c * p.expected_tokens_at(m) for r, (p, c, m) in drafting_candidates.items()}
+            # the critical requests' shortest run is at most the least any of them expects
+            lead_bound = pricing.lead_token_value * min(pricing.lead, min(
+                whole[r] for r in pricing.critical)) if has_lead else 0.0
+            if not self._may_beat(best_rate, batch, [value * w for w in whole.values()], base,
+                                  (verify_slope + overhead_slope) * 2,
+                                  lead_bound, num_critical):
+                return {}, False
         # the lead the critical requests may gain together over their first T rows, T = 1..num_rows
         leads = [pricing.lead_token_value * min(pricing.lead, run) for run in shortest_runs(
             [[c * g for g in p.gains(m)] for r, (p, c, m) in drafting_candidates.items() if r in pricing.critical],
@@ -765,19 +767,6 @@ class SpeculationPolicy:
                         best = (longest, [r for _, r in order[:count]], apart < riding)
         longest, drafting_ids, riders_apart = best
         return {request_id: min(longest, candidates[request_id]) for request_id in drafting_ids}, riders_apart
-
-    def _any_plan_may_beat(self, best_rate: float, batch: int, whole: dict[str, float], pricing: DrainPricing,
-                           base: float, slope: float) -> bool:
-        """:meth:`_may_beat` for every row count at once: ``whole``, each drafting candidate's expected
-        tokens over all its rows (none gains more at fewer), priced at one row's cost (none costs
-        less); ``base`` and ``slope``: the drafter's and the verify's fixed seconds and seconds per
-        row together."""
-        has_lead = bool(pricing.critical) and pricing.lead_token_value > 0
-        # the critical requests' shortest run is at most the least any of them expects
-        lead_bound = pricing.lead_token_value * min(pricing.lead, min(
-            whole[r] for r in pricing.critical)) if has_lead else 0.0
-        return self._may_beat(best_rate, batch, [pricing.token_value * w for w in whole.values()], base, slope * 2,
-                              lead_bound, len(pricing.critical))
 
     def _cannot_pay_while_quiet(self, candidates: dict[str, int], num_target_only: int,
                                 pricing: DrainPricing) -> bool:
