@@ -6,63 +6,89 @@ import asyncio
 import statistics
 
 from .load import run_load
-from .paired import Pair, bootstrap_interval
+from .paired import Pair, bootstrap_interval, pooled_ratio
 from .servers import StandaloneServer
 from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts, with_control
 
 
+def served_loads(group: list[list[int]], concurrency: int, refilled: bool) -> list[list[list[int]]]:
+    """The loads one repeat of a served regime streams, each paired on its own (both modes of a load
+    adjacent in time): one per prompt with one in flight, one per closed group of ``concurrency``
+    prompts with several, and the whole ``group`` as one load whose streams stay open over all of
+    it (each freed stream takes the next prompt) for a refilled regime."""
+    if refilled:
+        return [group]
+    return [group[i:i + concurrency] for i in range(0, len(group), concurrency)]
+
+
 def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: int = 3, seed: int = 0, regimes=None,
                        threads: int = 2, target_dir=None, draft_dir=None, sampled_draft_dir=None,
-                       groups_in_flight: int = GROUPS_IN_FLIGHT, control: bool = False) -> list[dict]:
+                       groups_in_flight: int = GROUPS_IN_FLIGHT, keep_in_flight: bool = False,
+                       control: bool = False) -> list[dict]:
     """``dspine bench engine --sweep`` through the standalone gRPC server (a subprocess, streamed
     through the SDK): per regime, target-only (``speculative=False``) and speculative requests of
-    the same prompts, interleaved with alternating order, ``repeats`` paired runs; the ratio is the
-    median of the paired ratios, the interval a bootstrap over the repeats' pairs (a pair is a whole
-    load here, so with few repeats the interval is little more than their spread). Rows as
+    the same prompts, ``repeats`` times over the regime's loads (:func:`served_loads`), both modes of
+    each load adjacent in time and in alternating order. A repeat's ratio pools its loads' pairs
+    (as the inline sweep pools a repeat's prompts or groups); the row's ratio is the median over
+    the repeats, its interval a bootstrap over every pair. Rows as
     :func:`dspine.benchmarks.sweep.bench_sweep`'s (the policy's counters live in the server, so
-    acceptance and drafting share are not reported). ``prompts`` is
-    the pool :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from: with
-    several in flight, the load keeps ``concurrency`` streams open over all of them (so refilled
-    regimes are left out). ``control``: a
+    acceptance and drafting share are not reported). ``prompts`` is the pool
+    :func:`dspine.benchmarks.sweep.regime_prompts` draws each regime's requests from.
+    ``keep_in_flight``: every regime with several in flight streams its prompts as one load (a
+    refilled regime, its twin then, is left out), as with the inline sweep's. ``control``: a
     last row, :data:`~dspine.benchmarks.sweep.CONTROL_REGIME`, whose both sides stream target-only."""
-    # Served loads keep their streams open over all their requests, so every one is refilled: a
-    # refilled regime would repeat its twin.
-    regimes = [(regime, is_control) for regime, is_control
-               in with_control(SWEEP_REGIMES if regimes is None else regimes, control) if not regime.refilled]
+    # A pair was once a whole load of every request of the regime (32 of them at 8 in flight, 3.5 s
+    # a side): five such pairs of the control row, target-only on both sides, spanned 0.88-1.14x,
+    # wider than any gap the sweep is there to judge. A pair per prompt or per group of 8 keeps both
+    # sides of a pair within a few seconds of each other, as the inline sweep's pairs are.
     server = StandaloneServer(threads, 8, target_dir, draft_dir, sampled_draft_dir)
     rows = []
     try:
         asyncio.run(run_load(server.address, "warm", prompts[:1], 1,
                              dict(max_new_tokens=4, ignore_eos=True, speculative=True)))
-        for (name, overrides, max_new_tokens, concurrency, _), is_control in regimes:
+        all_regimes = with_control(SWEEP_REGIMES if regimes is None else regimes, control)
+        if keep_in_flight:
+            all_regimes = [(regime, is_control) for regime, is_control in all_regimes if not regime.refilled]
+        for (name, overrides, max_new_tokens, concurrency, refilled), is_control in all_regimes:
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
+            loads = served_loads(group, concurrency, refilled or (keep_in_flight and concurrency > 1))
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
-            seconds: dict[bool, list[float]] = {False: [], True: []}
-            tokens: dict[bool, list[int]] = {False: [], True: []}
-            latencies: dict[bool, list[float]] = {False: [], True: []}  # per run: mean request latency
+            pairs: list[Pair] = []
+            repeat_pairs: list[list[Pair]] = []
+            latencies: dict[bool, list[float]] = {False: [], True: []}  # per repeat: mean request latency
             for repeat in range(repeats):
-                for speculative in ((False, True) if repeat % 2 == 0 else (True, False)):
-                    report = asyncio.run(run_load(server.address, name, group, concurrency,
-                                                  {**sampling, "speculative": speculative and not is_control}))
-                    if report.errors:
-                        raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
-                    seconds[speculative].append(report.wall_s)
-                    tokens[speculative].append(report.tokens)
-                    latencies[speculative].append(statistics.fmean(report.latencies_s))
-            pairs = [Pair(*sides) for sides in zip(seconds[False], seconds[True], tokens[False], tokens[True])]
-            ratios = [pair.ratio for pair in pairs]
+                this_repeat: list[Pair] = []
+                repeat_latencies: dict[bool, list[float]] = {False: [], True: []}
+                for index, load in enumerate(loads):
+                    seconds, tokens = {}, {}
+                    order = (False, True) if (repeat + index) % 2 == 0 else (True, False)
+                    for speculative in order:
+                        report = asyncio.run(run_load(server.address, name, load, concurrency,
+                                                      {**sampling, "speculative": speculative and not is_control}))
+                        if report.errors:
+                            raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
+                        seconds[speculative], tokens[speculative] = report.wall_s, report.tokens
+                        repeat_latencies[speculative] += report.latencies_s
+                    this_repeat.append(Pair(seconds[False], seconds[True], tokens[False], tokens[True]))
+                pairs += this_repeat
+                repeat_pairs.append(this_repeat)
+                for speculative in (False, True):
+                    latencies[speculative].append(statistics.fmean(repeat_latencies[speculative]))
+            ratios = [pooled_ratio(repeat) for repeat in repeat_pairs]
             request_ratios = [base / spec for base, spec in zip(latencies[False], latencies[True])]
+            rates = {side: [sum(getattr(p, f"{side}_tokens") for p in repeat)
+                            / sum(getattr(p, f"{side}_seconds") for p in repeat) for repeat in repeat_pairs]
+                     for side in ("target_only", "speculative")}
             rows.append({"regime": name, "num_requests": len(group), "speedup": statistics.median(ratios),
                          "run_speedups": ratios, "request_speedup": statistics.median(request_ratios),
                          "request_run_speedups": request_ratios,
-                         "target_only_tokens_per_s": statistics.median(p.target_only_tokens / p.target_only_seconds
-                                                                       for p in pairs),
-                         "speculative_tokens_per_s": statistics.median(p.speculative_tokens / p.speculative_seconds
-                                                                       for p in pairs),
+                         "target_only_tokens_per_s": statistics.median(rates["target_only"]),
+                         "speculative_tokens_per_s": statistics.median(rates["speculative"]),
                          "mean_accepted_len": None, "mean_verified_len": None, "drafting_share": None,
                          "identical_greedy_output": None, "interval": bootstrap_interval(pairs),
-                         "num_pairs": len(pairs), "control": is_control,
-                         "tokens": {"target_only": tokens[False], "speculative": tokens[True]}})
+                         "num_pairs": len(pairs), "pair_speedups": [p.ratio for p in pairs], "control": is_control,
+                         "tokens": {"target_only": [sum(p.target_only_tokens for p in repeat) for repeat in repeat_pairs],
+                                    "speculative": [sum(p.speculative_tokens for p in repeat) for repeat in repeat_pairs]}})
     finally:
         server.close()
     return rows

@@ -166,7 +166,7 @@ def _bench_sweep(args, target_dir: str, draft_dir: str) -> int:
         served = bench_sweep_server(pool, num_prompts=args.num_prompts, repeats=args.repeats, seed=seed,
                                     target_dir=target_dir, draft_dir=draft_dir,
                                     sampled_draft_dir=_sampled_draft_dir(args), groups_in_flight=groups,
-                                    control=not args.no_control)
+                                    keep_in_flight=args.keep_in_flight, control=not args.no_control)
     if args.json:
         print(json.dumps(rows if served is None else {"inline": rows, "server": served}, indent=2))
     else:

@@ -8,7 +8,7 @@ import pytest
 
 from dspine import embedded
 from dspine.benchmarks.sweep import Regime, format_sweep
-from dspine.benchmarks.sweep_server import bench_sweep_server
+from dspine.benchmarks.sweep_server import bench_sweep_server, served_loads
 
 REGIMES = (("greedy, 6 tokens", {}, 6, 1), ("2 in flight, temperature 0.7", {"temperature": 0.7}, 5, 2))
 
@@ -22,36 +22,46 @@ def test_sweep_through_the_server_pairs_both_modes_of_every_regime():
     assert [row["regime"] for row in rows] == [name for name, *_ in REGIMES]
     for row, (_, _, new_tokens, concurrency) in zip(rows, REGIMES):
         group = len(prompts) if concurrency == 1 else 2 * concurrency  # two groups in flight per repeat
-        # every request of both modes streamed its whole output (ignore_eos) in each paired run
+        loads = group // concurrency  # a pair per prompt, or per closed group
         assert row["num_requests"] == group
+        # every request of both modes streamed its whole output (ignore_eos) in each repeat
         assert row["tokens"] == {"target_only": [group * new_tokens] * 2, "speculative": [group * new_tokens] * 2}
+        assert row["num_pairs"] == 2 * loads and len(row["pair_speedups"]) == 2 * loads
         assert len(row["run_speedups"]) == 2 and all(r > 0 for r in row["run_speedups"])
         assert row["speedup"] == pytest.approx(statistics.median(row["run_speedups"]))
-        # a pair per repeat; any pooled ratio of them lies between their lowest and highest ratio
+        # a repeat pools its pairs, and any pooled ratio of pairs lies between their lowest and highest
         low, high = row["interval"]
-        assert row["num_pairs"] == 2
-        assert min(row["run_speedups"]) - 1e-9 <= low <= high <= max(row["run_speedups"]) + 1e-9
+        lowest, highest = min(row["pair_speedups"]) - 1e-9, max(row["pair_speedups"]) + 1e-9
+        assert lowest <= low <= high <= highest
+        assert all(lowest <= r <= highest for r in row["run_speedups"])
         assert len(row["request_run_speedups"]) == 2 and all(r > 0 for r in row["request_run_speedups"])
         assert row["request_speedup"] == pytest.approx(statistics.median(row["request_run_speedups"]))
     table = format_sweep(rows)
     assert "2 in flight, temperature 0.7" in table and "lowest:" in table
 
 
+def test_a_served_repeat_pairs_each_prompt_or_closed_group_and_a_refilled_regime_as_one_load():
+    group = [[1], [2], [3], [4], [5], [6]]
+    assert served_loads(group[:3], 1, refilled=False) == [[[1]], [[2]], [[3]]]
+    assert served_loads(group, 2, refilled=False) == [[[1], [2]], [[3], [4]], [[5], [6]]]
+    assert served_loads(group, 2, refilled=True) == [group]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
     """The control row's pairs ask the server for target-only on both sides; a regime's pairs ask
-    for one of each; a refilled regime is left out (a served load refills its streams anyway).
-    (The control regime is shrunk here to keep the test short.)"""
+    for one of each, both sides of a load one after the other; a refilled regime streams its
+    prompts as one load. (The control regime is shrunk here to keep the test short.)"""
     from dspine.benchmarks import sweep, sweep_server
 
     control = ("control: target-only vs itself", {}, 4, 2)
     monkeypatch.setattr(sweep, "CONTROL_REGIME", control)
-    asked: list[tuple[str, bool]] = []
+    asked: list[tuple[str, bool, tuple]] = []
     run_load = sweep_server.run_load
 
     async def recorded(address, name, prompts, concurrency, sampling, **kwargs):
-        asked.append((name, sampling["speculative"]))
+        asked.append((name, sampling["speculative"], tuple(map(tuple, prompts))))
         return await run_load(address, name, prompts, concurrency, sampling, **kwargs)
 
     monkeypatch.setattr(sweep_server, "run_load", recorded)
@@ -60,9 +70,14 @@ def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
     rows = bench_sweep_server(prompts, num_prompts=2, repeats=2, regimes=REGIMES[:1] + (refilled,), threads=1,
                               target_dir=embedded.TARGET_DIR, draft_dir=embedded.DRAFT_DIR, groups_in_flight=1,
                               control=True)
-    assert [row["regime"] for row in rows] == [REGIMES[0][0], control[0]]
-    assert [row["control"] for row in rows] == [False, True]
-    assert refilled.name not in {n for n, _ in asked}
-    assert sorted(s for n, s in asked if n == REGIMES[0][0]) == [False, False, True, True]
-    assert [s for n, s in asked if n == control[0]] == [False] * 4
+    assert [row["regime"] for row in rows] == [REGIMES[0][0], refilled.name, control[0]]
+    assert [row["control"] for row in rows] == [False, False, True]
+    asked = asked[1:]  # the server's warm-up request
+    # both modes of each load back to back, alternating which goes first
+    pairs = [asked[i:i + 2] for i in range(0, len(asked), 2)]
+    assert all(a[0] == b[0] and a[2] == b[2] for a, b in pairs)
+    regime_pairs = [(a[1], b[1]) for a, b in pairs if a[0] == REGIMES[0][0]]
+    assert regime_pairs == [(False, True), (True, False), (True, False), (False, True)]  # 2 prompts x 2 repeats
+    assert [len(a[2]) for a, _ in pairs if a[0] == refilled.name] == [2, 2]  # one load of both prompts a repeat
+    assert [s for n, s, _ in asked if n == control[0]] == [False] * 4
     assert "control: both sides" in format_sweep(rows)
