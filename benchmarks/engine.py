@@ -188,7 +188,8 @@ def gemm_probe(device: torch.device | str = "cpu", iters: int = 200) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int = 8, prompt_len: int = 64,
+def bench_engine(target_dir, draft_dir, params: SamplingParams | list[SamplingParams], num_prompts: int = 8,
+                 prompt_len: int = 64,
                  concurrency: int = 1, device: str = "auto", dtype: str = "auto", engine: Engine | None = None,
                  prompts: list[list[int]] | None = None, repeats: int = 3,
                  config: EngineConfig | None = None, trace_out: str | Path | None = None,
@@ -202,14 +203,20 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     requests start together and the last ones finish in a thinner batch; a larger load gives each
     finished request's slot to the next prompt, as a replica under load does. ``control``: the
     "speculative" side decodes target-only too, so the ratio is the bench's own scatter on this
-    machine. ``trace_out``: write the first repeat's steps as a Chrome/Perfetto trace."""
+    machine. ``trace_out``: write the first repeat's steps as a Chrome/Perfetto trace. ``params``:
+    one for every prompt, or a list with each prompt's own (the same sampling but for their
+    ``max_new_tokens``)."""
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     if engine is None:
         config = config or EngineConfig(device=device, dtype=dtype, max_concurrency=max(concurrency, 1))
         engine = Engine.from_pretrained(target_dir, draft_dir, config)
     prompts = prompts or heldout_prompts(engine, num_prompts, prompt_len)
-    params = SamplingParams(**{**asdict(params), "ignore_eos": True})
+    prompt_params = [SamplingParams(**{**asdict(p), "ignore_eos": True})
+                     for p in (params if isinstance(params, list) else [params] * len(prompts))]
+    if len(prompt_params) != len(prompts):
+        raise ValueError(f"params: one per prompt ({len(prompts)}), got {len(prompt_params)}")
+    params = prompt_params[0]
     if not control:
         engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=True)  # warm-up
     engine.generate(prompts[0], SamplingParams(max_new_tokens=4), speculative=False)
@@ -218,6 +225,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
     if load_size < concurrency:
         raise ValueError(f"load_size: must be >= concurrency ({concurrency}), got {load_size}")
     groups = [prompts[i : i + load_size] for i in range(0, len(prompts), load_size)]
+    group_params = [prompt_params[i : i + load_size] for i in range(0, len(prompts), load_size)]
     repeat_pairs: list[list[Pair]] = []
     base_latency, spec_latency = [], []
     base_results = spec_results = None
@@ -239,7 +247,7 @@ def bench_engine(target_dir, draft_dir, params: SamplingParams, num_prompts: int
             group_seconds, group_tokens = {}, {}
             for speculative in ((False, True) if (repeat + g) % 2 == 0 else (True, False)):
                 start = time.perf_counter()
-                load = engine.generate_many(group, params, speculative=speculative and not control,
+                load = engine.generate_many(group, group_params[g], speculative=speculative and not control,
                                             max_in_flight=concurrency)
                 group_seconds[speculative] = time.perf_counter() - start
                 group_tokens[speculative] = sum(len(r.token_ids) for r in load)

@@ -51,21 +51,26 @@ def _ms(seconds: float) -> float:
 
 
 async def run_load(address: str, name: str, prompts: list[list[int]], concurrency: int, sampling: dict,
-                   application: str | None = None, timeout_s: float = 300.0) -> LoadReport:
-    """Stream every prompt through the gRPC server at ``address``, ``concurrency`` at a time."""
+                   application: str | None = None, timeout_s: float = 300.0,
+                   max_new_tokens: list[int] | None = None) -> LoadReport:
+    """Stream every prompt through the gRPC server at ``address``, ``concurrency`` at a time
+    (``max_new_tokens``: each prompt's own, over ``sampling``'s)."""
     report = LoadReport(name, len(prompts), concurrency, 0.0, 0)
+    if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
+        raise ValueError(f"max_new_tokens: one per prompt ({len(prompts)}), got {len(max_new_tokens)}")
     queue: asyncio.Queue = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
+    for index, prompt in enumerate(prompts):
+        own = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens[index]}
+        queue.put_nowait((prompt, {**sampling, **own}))
 
     async def worker(client: AsyncDSpineClient) -> None:
         while not queue.empty():
-            prompt = queue.get_nowait()
+            prompt, prompt_sampling = queue.get_nowait()
             start = time.perf_counter()
             first = None
             tokens = 0
             try:
-                async for chunk in client.generate_stream(token_ids=prompt, **sampling):
+                async for chunk in client.generate_stream(token_ids=prompt, **prompt_sampling):
                     if first is None and chunk.token_ids:
                         first = time.perf_counter()
                     tokens += len(chunk.token_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from dspine import faults
 from dspine.replica.engine import Engine
 from dspine.replica.sampling import SamplingParams
 
@@ -22,6 +23,13 @@ class Regime(NamedTuple):
     # With several in flight: the groups' prompts as one load whose freed slots go to the next
     # prompt (a replica under load), instead of closed groups that each run to their last request.
     refilled: bool = False
+    # Each request's own output length: max_new_tokens -/+ half of this, spread evenly over the
+    # prompts (0: every request asks max_new_tokens). With one fixed length and ignore_eos, the
+    # target-only side of a refilled load finishes its 8 requests on one step, so their 8
+    # replacements arrive together and prefill as one batch (98 ms for 8 prompts of 64 tokens on the
+    # 2-core CPU, 22 ms for one), while the speculative side's requests finish steps apart and
+    # prefill one by one. A replica's real requests end at their own lengths on both sides.
+    length_spread: int = 0
 
 
 # The regimes of ``dspine bench engine --sweep``. The two 8-in-flight greedy rows read the same
@@ -34,6 +42,7 @@ SWEEP_REGIMES = (
     Regime("temperature 0.7, top-p 0.9", {"temperature": 0.7, "top_p": 0.9}, 128, 1),
     Regime("8 in flight, greedy", {}, 128, 8),
     Regime("8 in flight, greedy, refilled", {}, 128, 8, refilled=True),
+    Regime("8 in flight, greedy, refilled, 96-160 tokens", {}, 128, 8, refilled=True, length_spread=64),
     Regime("8 in flight, temperature 0.7", {"temperature": 0.7}, 128, 8),
 )
 
@@ -65,6 +74,18 @@ def regime_prompts(prompts: list[list[int]], num_prompts: int, concurrency: int,
         return prompts[:num_prompts]
     wanted = max(num_prompts, concurrency * groups_in_flight)
     return (prompts * (wanted // len(prompts) + 1))[:wanted]
+
+
+def request_lengths(regime: Regime, num_requests: int) -> list[int]:
+    """Each request's ``max_new_tokens`` in a regime of ``num_requests``: ``regime.max_new_tokens``
+    for all, or with a :attr:`Regime.length_spread` a deterministic spread over
+    ``max_new_tokens -/+ spread / 2`` (a stride coprime to the spread's width, so neighbouring
+    prompts, which run together, ask lengths far apart)."""
+    if faults.active("bench.request_lengths_fixed") or regime.length_spread <= 0:
+        return [regime.max_new_tokens] * num_requests
+    width = regime.length_spread + 1
+    low = max(1, regime.max_new_tokens - regime.length_spread // 2)
+    return [low + (i * 37) % width for i in range(num_requests)]
 
 
 def prompt_pool_size(num_prompts: int, regimes, groups_in_flight: int = GROUPS_IN_FLIGHT) -> int:
@@ -100,9 +121,11 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
     rows = []
     if keep_in_flight:
         all_regimes = [(regime, is_control) for regime, is_control in all_regimes if not regime.refilled]
-    for (name, overrides, max_new_tokens, concurrency, refilled), is_control in all_regimes:
-        params = SamplingParams(**{"max_new_tokens": max_new_tokens, "seed": seed, **overrides})
+    for regime, is_control in all_regimes:
+        name, overrides, _, concurrency, refilled = regime[:5]
         group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
+        params = [SamplingParams(**{"max_new_tokens": length, "seed": seed, **overrides})
+                  for length in request_lengths(regime, len(group))]
         steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
         load_size = len(group) if (keep_in_flight or refilled) and concurrency > 1 else concurrency
         report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
@@ -119,7 +142,9 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
                      "mean_accepted_len": None if is_control else report.mean_accepted_len,
                      "mean_verified_len": None if is_control else report.mean_verified_len,
                      "drafting_share": share, "identical_greedy_output": report.identical_greedy_output,
-                     "interval": report.interval, "num_pairs": len(report.pairs), "control": is_control})
+                     "interval": report.interval, "num_pairs": len(report.pairs), "control": is_control,
+                     "tokens": {side: [sum(getattr(p, f"{side}_tokens") for p in repeat) for repeat in report.repeat_pairs]
+                                for side in ("target_only", "speculative")}})
     return rows
 
 

@@ -8,7 +8,7 @@ import statistics
 from .load import run_load
 from .paired import Pair, bootstrap_interval, pooled_ratio
 from .servers import StandaloneServer
-from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts, with_control
+from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts, request_lengths, with_control
 
 
 def served_loads(group: list[list[int]], concurrency: int, refilled: bool) -> list[list[list[int]]]:
@@ -49,9 +49,16 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
         all_regimes = with_control(SWEEP_REGIMES if regimes is None else regimes, control)
         if keep_in_flight:
             all_regimes = [(regime, is_control) for regime, is_control in all_regimes if not regime.refilled]
-        for (name, overrides, max_new_tokens, concurrency, refilled), is_control in all_regimes:
+        for regime, is_control in all_regimes:
+            name, overrides, max_new_tokens, concurrency, refilled = regime[:5]
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
             loads = served_loads(group, concurrency, refilled or (keep_in_flight and concurrency > 1))
+            # each load's own slice of the regime's request lengths (loads cut ``group`` in order)
+            lengths = request_lengths(regime, len(group))
+            load_lengths, start = [], 0
+            for load in loads:
+                load_lengths.append(lengths[start:start + len(load)])
+                start += len(load)
             sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
             pairs: list[Pair] = []
             repeat_pairs: list[list[Pair]] = []
@@ -64,7 +71,8 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
                     order = (False, True) if (repeat + index) % 2 == 0 else (True, False)
                     for speculative in order:
                         report = asyncio.run(run_load(server.address, name, load, concurrency,
-                                                      {**sampling, "speculative": speculative and not is_control}))
+                                                      {**sampling, "speculative": speculative and not is_control},
+                                                      max_new_tokens=load_lengths[index]))
                         if report.errors:
                             raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
                         seconds[speculative], tokens[speculative] = report.wall_s, report.tokens

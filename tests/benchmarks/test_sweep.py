@@ -10,7 +10,7 @@ from dspine_testing.engines import make_engine
 from dspine import faults
 from dspine.benchmarks.engine import EngineBenchReport, bench_engine
 from dspine.benchmarks.paired import Pair
-from dspine.benchmarks.sweep import SWEEP_REGIMES, Regime, bench_sweep, format_sweep, regime_prompts
+from dspine.benchmarks.sweep import SWEEP_REGIMES, Regime, bench_sweep, format_sweep, regime_prompts, request_lengths
 from dspine.replica.sampling import SamplingParams
 
 REGIMES = (
@@ -196,3 +196,26 @@ def test_the_interval_is_over_every_paired_group_and_the_floor_line_reads_it(hyb
     floor_line = format_sweep(rows).splitlines()[-1]
     assert floor_line == ("floor 0.97x by the 95% intervals: below it: slow; cannot be told from it: close; "
                           "at or above it: fast")
+
+
+def test_a_regime_with_a_length_spread_gives_each_request_its_own_length(hybrid_target):
+    """Each request of a regime with a length spread asks its own ``max_new_tokens`` on both sides
+    (neighbours far apart, every length within the spread); the fault that drops the spread gives
+    every request the regime's one length and the check fails."""
+    spread = Regime("refilled, 6-10 tokens", {}, 8, 3, refilled=True, length_spread=4)
+    lengths = request_lengths(spread, 6)  # 2 groups of 3
+    assert min(lengths) >= 6 and max(lengths) <= 10 and len(set(lengths)) == 5
+    assert sum(lengths) != 6 * 8  # (else the fault's fixed lengths would emit as many tokens)
+    assert all(a != b for a, b in zip(lengths, lengths[1:]))
+    assert request_lengths(Regime("fixed", {}, 8, 4), 3) == [8, 8, 8]
+    assert any(regime.length_spread for regime in SWEEP_REGIMES)
+
+    engine = make_engine(hybrid_target, adaptive_speculation=True, max_concurrency=8)
+
+    def tokens_of_one_repeat() -> dict:
+        row = bench_sweep(engine, num_prompts=1, prompt_len=4, repeats=1, regimes=(spread,), groups_in_flight=2)[0]
+        return row["tokens"]
+
+    assert tokens_of_one_repeat() == {"target_only": [sum(lengths)], "speculative": [sum(lengths)]}
+    with faults.inject("bench.request_lengths_fixed"):
+        assert tokens_of_one_repeat() != {"target_only": [sum(lengths)], "speculative": [sum(lengths)]}

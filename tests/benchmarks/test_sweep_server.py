@@ -81,3 +81,27 @@ def test_the_served_control_row_streams_both_sides_target_only(monkeypatch):
     assert [len(a[2]) for a, _ in pairs if a[0] == refilled.name] == [2, 2]  # one load of both prompts a repeat
     assert [s for n, s, _ in asked if n == control[0]] == [False] * 4
     assert "control: both sides" in format_sweep(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_served_regime_with_a_length_spread_streams_each_request_its_own_length():
+    """A refilled regime with a length spread asks the server each prompt's own ``max_new_tokens``
+    on both sides, and every request streams exactly that many tokens (ignore_eos); the fault that
+    drops the spread streams the regime's one length for each and the token count differs."""
+    from dspine import faults
+    from dspine.benchmarks.sweep import request_lengths
+
+    prompts = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34], [41, 42, 43, 44]]
+    spread = Regime("3 in flight, refilled, 3-7 tokens", {}, 5, 3, refilled=True, length_spread=4)
+    lengths = request_lengths(spread, 4)
+    assert sum(lengths) != 4 * 5  # (else the fault's fixed lengths would stream as many tokens)
+
+    def tokens() -> dict:
+        rows = bench_sweep_server(prompts, num_prompts=4, repeats=1, regimes=(spread,), threads=1,
+                                  target_dir=embedded.TARGET_DIR, draft_dir=embedded.DRAFT_DIR, groups_in_flight=1)
+        return rows[0]["tokens"]
+
+    assert tokens() == {"target_only": [sum(lengths)], "speculative": [sum(lengths)]}
+    with faults.inject("bench.request_lengths_fixed"):
+        assert tokens() == {"target_only": [20], "speculative": [20]}
