@@ -150,9 +150,10 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
 
 def format_sweep(rows: list[dict]) -> str:
     """The sweep as one table (ratios against target-only measured in the same run)."""
-    lines = [f"{'regime':32} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11}"
+    width = max([32] + [len(row["regime"]) for row in rows])  # the regime column fits its longest name
+    lines = [f"{'regime':{width}} {'target-only':>12} {'speculative':>12} {'ratio':>7} {'repeats':>11}"
              f" {'95% interval':>13} {'per request':>11} {'accepted':>9} {'verified':>9} {'drafting':>9}  identical",
-             "-" * 144]
+             "-" * (112 + width)]
     def figure(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
@@ -168,7 +169,7 @@ def format_sweep(rows: list[dict]) -> str:
         identical = "" if row["identical_greedy_output"] is None else str(row["identical_greedy_output"])
         per_request = row.get("request_speedup")
         per_request = "-" if per_request is None else f"{per_request:.2f}x"
-        lines.append(f"{row['regime']:32} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
+        lines.append(f"{row['regime']:{width}} {row['target_only_tokens_per_s']:8.1f} t/s {row['speculative_tokens_per_s']:8.1f}"
                      f" t/s {row['speedup']:6.2f}x {spread(row['run_speedups']):>11} {interval(row):>13}"
                      f" {per_request:>11}"
                      f" {figure(row['mean_accepted_len']):>9} {figure(row['mean_verified_len']):>9}"

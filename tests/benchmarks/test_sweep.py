@@ -219,3 +219,13 @@ def test_a_regime_with_a_length_spread_gives_each_request_its_own_length(hybrid_
     assert tokens_of_one_repeat() == {"target_only": [sum(lengths)], "speculative": [sum(lengths)]}
     with faults.inject("bench.request_lengths_fixed"):
         assert tokens_of_one_repeat() != {"target_only": [sum(lengths)], "speculative": [sum(lengths)]}
+
+
+def test_the_table_columns_line_up_past_a_long_regime_name():
+    row = {"regime": "8 in flight, greedy, refilled, 96-160 tokens", "target_only_tokens_per_s": 600.0,
+           "speculative_tokens_per_s": 700.0, "speedup": 1.17, "run_speedups": [1.1, 1.2], "interval": (1.0, 1.3),
+           "num_pairs": 4, "request_speedup": 1.2, "mean_accepted_len": None, "mean_verified_len": None,
+           "drafting_share": None, "identical_greedy_output": None}
+    lines = format_sweep([row, {**row, "regime": "short"}]).splitlines()
+    assert lines[2].index(" t/s") == lines[3].index(" t/s")  # both rows' first figure ends in one column
+    assert lines[0].index("target-only") < lines[2].index(" t/s") and len(lines[1]) >= len(lines[2]) - 12
