@@ -122,12 +122,12 @@ def bench_sweep(engine: Engine, num_prompts: int = 8, prompt_len: int = 64, repe
     if keep_in_flight:
         all_regimes = [(regime, is_control) for regime, is_control in all_regimes if not regime.refilled]
     for regime, is_control in all_regimes:
-        name, overrides, _, concurrency, refilled = regime[:5]
+        name, concurrency = regime.name, regime.concurrency
         group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
-        params = [SamplingParams(**{"max_new_tokens": length, "seed": seed, **overrides})
+        params = [SamplingParams(**{"max_new_tokens": length, "seed": seed, **regime.overrides})
                   for length in request_lengths(regime, len(group))]
         steps_before = (policy.num_decode_steps, policy.num_drafting_steps) if policy is not None else (0, 0)
-        load_size = len(group) if (keep_in_flight or refilled) and concurrency > 1 else concurrency
+        load_size = len(group) if (keep_in_flight or regime.refilled) and concurrency > 1 else concurrency
         report = bench_engine(None, None, params, concurrency=concurrency, engine=engine, prompts=group,
                               repeats=repeats, load_size=load_size, control=is_control)
         share = None

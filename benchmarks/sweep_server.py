@@ -11,14 +11,18 @@ from .servers import StandaloneServer
 from .sweep import GROUPS_IN_FLIGHT, SWEEP_REGIMES, regime_prompts, request_lengths, with_control
 
 
-def served_loads(group: list[list[int]], concurrency: int, refilled: bool) -> list[list[list[int]]]:
+def served_loads(group: list[list[int]], lengths: list[int], concurrency: int,
+                 refilled: bool) -> list[tuple[list[list[int]], list[int]]]:
     """The loads one repeat of a served regime streams, each paired on its own (both modes of a load
-    adjacent in time): one per prompt with one in flight, one per closed group of ``concurrency``
-    prompts with several, and the whole ``group`` as one load whose streams stay open over all of
-    it (each freed stream takes the next prompt) for a refilled regime."""
+    adjacent in time), as ``(prompts, their max_new_tokens)``: one per prompt with one in flight, one
+    per closed group of ``concurrency`` prompts with several, and the whole ``group`` as one load
+    whose streams stay open over all of it (each freed stream takes the next prompt) for a refilled
+    regime. ``lengths``: each prompt's own output length (:func:`request_lengths`), cut with it."""
+    if len(lengths) != len(group):
+        raise ValueError(f"served_loads: {len(lengths)} lengths for {len(group)} prompts")
     if refilled:
-        return [group]
-    return [group[i:i + concurrency] for i in range(0, len(group), concurrency)]
+        return [(group, lengths)]
+    return [(group[i:i + concurrency], lengths[i:i + concurrency]) for i in range(0, len(group), concurrency)]
 
 
 def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: int = 3, seed: int = 0, regimes=None,
@@ -50,29 +54,24 @@ def bench_sweep_server(prompts: list[list[int]], num_prompts: int = 8, repeats: 
         if keep_in_flight:
             all_regimes = [(regime, is_control) for regime, is_control in all_regimes if not regime.refilled]
         for regime, is_control in all_regimes:
-            name, overrides, max_new_tokens, concurrency, refilled = regime[:5]
+            name, concurrency = regime.name, regime.concurrency
             group = regime_prompts(prompts, num_prompts, concurrency, groups_in_flight)
-            loads = served_loads(group, concurrency, refilled or (keep_in_flight and concurrency > 1))
-            # each load's own slice of the regime's request lengths (loads cut ``group`` in order)
-            lengths = request_lengths(regime, len(group))
-            load_lengths, start = [], 0
-            for load in loads:
-                load_lengths.append(lengths[start:start + len(load)])
-                start += len(load)
-            sampling = dict(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **overrides)
+            loads = served_loads(group, request_lengths(regime, len(group)), concurrency,
+                                 regime.refilled or (keep_in_flight and concurrency > 1))
+            sampling = dict(max_new_tokens=regime.max_new_tokens, seed=seed, ignore_eos=True, **regime.overrides)
             pairs: list[Pair] = []
             repeat_pairs: list[list[Pair]] = []
             latencies: dict[bool, list[float]] = {False: [], True: []}  # per repeat: mean request latency
             for repeat in range(repeats):
                 this_repeat: list[Pair] = []
                 repeat_latencies: dict[bool, list[float]] = {False: [], True: []}
-                for index, load in enumerate(loads):
+                for index, (load, load_lengths) in enumerate(loads):
                     seconds, tokens = {}, {}
                     order = (False, True) if (repeat + index) % 2 == 0 else (True, False)
                     for speculative in order:
                         report = asyncio.run(run_load(server.address, name, load, concurrency,
                                                       {**sampling, "speculative": speculative and not is_control},
-                                                      max_new_tokens=load_lengths[index]))
+                                                      max_new_tokens=load_lengths))
                         if report.errors:
                             raise RuntimeError(f"{name}: requests failed through the server: {dict(report.errors)}")
                         seconds[speculative], tokens[speculative] = report.wall_s, report.tokens

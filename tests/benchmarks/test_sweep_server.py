@@ -42,9 +42,16 @@ def test_sweep_through_the_server_pairs_both_modes_of_every_regime():
 
 def test_a_served_repeat_pairs_each_prompt_or_closed_group_and_a_refilled_regime_as_one_load():
     group = [[1], [2], [3], [4], [5], [6]]
-    assert served_loads(group[:3], 1, refilled=False) == [[[1]], [[2]], [[3]]]
-    assert served_loads(group, 2, refilled=False) == [[[1], [2]], [[3], [4]], [[5], [6]]]
-    assert served_loads(group, 2, refilled=True) == [group]
+    lengths = [10, 11, 12, 13, 14, 15]
+    assert served_loads(group[:3], lengths[:3], 1, refilled=False) == [([[1]], [10]), ([[2]], [11]), ([[3]], [12])]
+    assert served_loads(group, lengths, 2, refilled=False) == [
+        ([[1], [2]], [10, 11]), ([[3], [4]], [12, 13]), ([[5], [6]], [14, 15])]
+    assert served_loads(group, lengths, 2, refilled=True) == [(group, lengths)]
+    # each load keeps its own prompts' lengths: a slice that drifted by one would pair them wrongly
+    for load, load_lengths in served_loads(group, lengths, 4, refilled=False):
+        assert load_lengths == [10 + prompt[0] - 1 for prompt in load]
+    with pytest.raises(ValueError, match="lengths"):
+        served_loads(group, lengths[:5], 2, refilled=False)
 
 
 @pytest.mark.slow
