@@ -20,8 +20,6 @@ rows, with the factors in float64.
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 from dspine import faults
@@ -165,29 +163,52 @@ def predecessor_slots(choice: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(choice[:, :1]), choice[:, :-1]], dim=1)
 
 
+def _row_q_unfiltered(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """``_row_q`` for rows with no top-k / top-p cut: the softmax at temperature (greedy rows: one-hot
+    of the argmax, ties to the lower slot). No sort: the common sampled request pays for none."""
+    greedy = temperature <= 0
+    z = (logits - logits.amax(dim=1, keepdim=True)) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    one_hot = torch.zeros_like(z).scatter_(1, z.argmax(dim=1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, torch.softmax(z, dim=1))
+
+
+def _filters_inactive(temperature, top_k, top_p, k: int) -> bool:
+    """No sampled block cuts its K candidates by top-k or top-p (greedy blocks need no cut either)."""
+    sampled = temperature > 0
+    cuts = sampled & (((top_k > 0) & (top_k < k)) | (top_p < 1.0))
+    return not bool(cuts.any())
+
+
 def tail_chain_ref(scores, cand_ids, temperature, top_k, top_p, uniforms):
     """Plain torch, float64 factors. q of every (row, predecessor) table row is computed at once
-    (vectorised); the serial walk then only reads those tables: the inverse-CDF draw of a row is
-    the number of cdf entries <= u * cdf[-1], capped at the last slot with q > 0."""
+    (vectorised), and so is the slot each of them would draw with its row's coin (the inverse-CDF
+    draw: the number of cdf entries <= u * cdf[-1], capped at the last slot with q > 0); the serial
+    walk then only follows those slots, as the greedy walk follows its argmaxes."""
     _check(scores, cand_ids, temperature, top_k, top_p, uniforms)
     nb, t, k, _ = scores.shape
     dev = scores.device
     if nb and bool((temperature <= 0).all()):
         return _greedy_chain_ref(scores, cand_ids)
     per_block = t * k  # table rows per block
-    q_all = _row_q(scores.reshape(nb * per_block, k).to(torch.float64),
-                   temperature.to(torch.float64).repeat_interleave(per_block),
-                   top_k.to(torch.int64).repeat_interleave(per_block),
-                   top_p.to(torch.float64).repeat_interleave(per_block)).view(nb, t, k, k)  # [NB, T, K(j), K(i)]
-    cdf = q_all.cumsum(dim=-1).tolist()
-    last_pos = torch.where(q_all > 0, torch.arange(k, device=dev), -1).amax(dim=-1).tolist()  # [NB, T, K(j)]
-    coins = uniforms.to(torch.float64).tolist()
+    temperature = temperature.to(torch.float64)
+    rows = scores.reshape(nb * per_block, k).to(torch.float64)
+    if _filters_inactive(temperature, top_k, top_p, k):
+        q_all = _row_q_unfiltered(rows, temperature.repeat_interleave(per_block))
+    else:
+        q_all = _row_q(rows, temperature.repeat_interleave(per_block),
+                       top_k.to(torch.int64).repeat_interleave(per_block),
+                       top_p.to(torch.float64).repeat_interleave(per_block))
+    q_all = q_all.view(nb, t, k, k)  # [NB, T, K(j), K(i)]
+    cdf = q_all.cumsum(dim=-1)
+    threshold = uniforms.to(torch.float64)[:, :, None] * cdf[..., -1]  # [NB, T, K(j)]
+    drawn = (cdf <= threshold[..., None]).sum(dim=-1)
+    last_pos = torch.where(q_all > 0, torch.arange(k, device=dev), -1).amax(dim=-1)
+    next_slot = torch.minimum(drawn, last_pos).tolist()  # [NB][T][K(j)] slot drawn after predecessor j
     paths = []
-    for b in range(nb):
+    for block in next_slot:
         j, path = 0, []
-        for row in range(t):
-            c = cdf[b][row][j]
-            j = min(bisect.bisect_right(c, coins[b][row] * c[-1]), last_pos[b][row][j])
+        for row in block:
+            j = row[j]
             path.append(j)
         paths.append(path)
     choice = torch.tensor(paths, dtype=torch.int64, device=dev).view(nb, t)

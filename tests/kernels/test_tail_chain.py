@@ -147,3 +147,55 @@ def test_sampled_draw_frequencies_match_q():
     sel = choice[:, 0] == j
     freq2 = torch.bincount(choice[sel, 1], minlength=6).double() / sel.sum()
     assert (freq2 - q[sel][0, 1]).abs().max() < 4 * (0.25 / sel.sum()) ** 0.5
+
+
+def test_unfiltered_batch_skips_the_sort_and_draws_the_same_chain():
+    """A batch where no sampled block cuts by top-k / top-p takes the sort-free softmax; it must draw
+    exactly what the sorted path draws (greedy blocks in the same batch stay argmax walks)."""
+    scores, cand, _, _, _, u = make_case(6, 15, 32, seed=7)
+    temperature = torch.tensor([0.7, 0.0, 1.0, 0.7, 1.3, 0.0], dtype=torch.float64)
+    top_k = torch.tensor([0, 5, 0, 32, 0, 0])  # top_k >= K keeps every candidate; greedy blocks ignore it
+    top_p = torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    assert tc._filters_inactive(temperature, top_k, top_p, 32)
+    fast = tc.tail_chain_ref(scores, cand, temperature, top_k, top_p, u)
+    # the same table rows through the sorted path's q
+    nb, t, k, _ = scores.shape
+    rows = scores.reshape(nb * t * k, k).double()
+    q_sorted = tc._row_q(rows, temperature.repeat_interleave(t * k), top_k.repeat_interleave(t * k),
+                         top_p.repeat_interleave(t * k))
+    q_fast = tc._row_q_unfiltered(rows, temperature.repeat_interleave(t * k))
+    torch.testing.assert_close(q_fast, q_sorted, rtol=0, atol=1e-14)
+    assert torch.equal(q_fast > 0, q_sorted > 0), "kept sets differ"
+    ids, choice, q = fast
+    assert torch.equal(ids[[1, 5]], brute_force_greedy(scores[[1, 5]], cand[[1, 5]]))
+    assert torch.equal(q[[1, 5]], torch.nn.functional.one_hot(choice[[1, 5]], k).double())
+    # every sampled row's slot is the inverse-CDF draw of its walked row of q
+    for n in (0, 2, 3, 4):
+        j = 0
+        for r in range(t):
+            cdf = q_sorted.view(nb, t, k, k)[n, r, j].cumsum(0)
+            expect = min(int((cdf <= u[n, r] * cdf[-1]).sum()), int((cdf.diff(prepend=cdf.new_zeros(1)) > 0).nonzero().max()))
+            assert int(choice[n, r]) == expect
+            j = expect
+
+
+def test_filtered_batch_keeps_the_sorted_path():
+    temperature = torch.tensor([0.7, 0.7], dtype=torch.float64)
+    assert not tc._filters_inactive(temperature, torch.tensor([0, 3]), torch.ones(2, dtype=torch.float64), 32)
+    assert not tc._filters_inactive(temperature, torch.tensor([0, 0]), torch.tensor([1.0, 0.9], dtype=torch.float64), 32)
+    # a greedy block's top-k / top-p never force the sort
+    assert tc._filters_inactive(torch.tensor([0.0, 0.7], dtype=torch.float64), torch.tensor([3, 0]),
+                                torch.tensor([0.9, 1.0], dtype=torch.float64), 32)
+
+
+@needs_triton
+def test_tail_chain_triton_matches_ref_on_an_unfiltered_batch(assert_close):
+    """The sort-free path of the reference against the kernel (which never sorts)."""
+    scores, cand, _, _, _, u = make_case(5, 15, 32, seed=3)
+    temperature = torch.tensor([0.7, 0.0, 1.0, 0.5, 1.3], dtype=torch.float64)
+    top_k, top_p = torch.zeros(5, dtype=torch.int64), torch.ones(5, dtype=torch.float64)
+    args = [a.to(DEV) for a in (scores, cand, temperature, top_k, top_p, u)]
+    ref = tc.tail_chain_ref(*args)
+    out = tc.tail_chain_triton(*args)
+    assert torch.equal(out[1].cpu(), ref[1].cpu()), "choices differ"
+    assert_close("q", ref[2], out[2], 1e-12)
