@@ -54,6 +54,9 @@ class EngineSettings(_Strict):
     max_seq_len: int | None = Field(None, ge=2, description="prompt + output per request; None: the target's limit")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the drafter's dtype; auto: the target's. It changes what is proposed, never what is "
+                            "emitted")
     verify_threshold: float | None = Field(None, ge=0.0, lt=1.0, description="None: the engine's default")
     retrieval: Literal["auto", "exact", "fp8", "bf16"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads per replica; None: the replica's num_cpus")
@@ -90,7 +93,8 @@ class EngineSettings(_Strict):
         from dspine.replica import EngineConfig
 
         knobs: dict[str, Any] = dict(max_concurrency=self.max_concurrency, max_seq_len=self.max_seq_len,
-                                     device=self.device, dtype=self.dtype, retrieval=self.retrieval,
+                                     device=self.device, dtype=self.dtype, draft_dtype=self.draft_dtype,
+                                     retrieval=self.retrieval,
                                      num_threads=self.num_threads or num_threads,
                                      prefill_chunk_tokens=self.prefill_chunk_tokens,
                                      target_kv_tokens=self.target_kv_tokens,

@@ -19,6 +19,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "engine's, 0.3)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
+    parser.add_argument("--draft-dtype", default="auto",
+                        help="the drafter's dtype: float32, bfloat16 or auto (auto: the target's); it changes "
+                             "what is proposed, never what is emitted")
     parser.add_argument("--verify-threshold", type=float, default=None,
                         help="dynamic verification: verify a draft row while the drafter's confidence product "
                              "is >= this (0: the whole block; default: the engine's)")
@@ -92,7 +95,8 @@ def engine_config(args, **extra):
     """The :class:`EngineConfig` of the model flags, with ``extra`` fields on top."""
     from dspine.replica import EngineConfig
 
-    knobs = dict(device=args.device, dtype=args.dtype, retrieval=args.retrieval, **extra)
+    knobs = dict(device=args.device, dtype=args.dtype, draft_dtype=getattr(args, "draft_dtype", "auto"),
+                 retrieval=args.retrieval, **extra)
     if getattr(args, "no_adaptive", False):
         knobs["adaptive_speculation"] = False
     if args.verify_threshold is not None:

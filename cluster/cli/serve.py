@@ -71,7 +71,8 @@ def cluster_config_from_args(args):
     for key in ("sampled_draft_min_temperature", "max_concurrency", "max_seq_len"):
         if getattr(args, key) is not None:
             engine[key] = getattr(args, key)
-    for flag, key in (("device", "device"), ("dtype", "dtype"), ("retrieval", "retrieval")):
+    for flag, key in (("device", "device"), ("dtype", "dtype"), ("draft_dtype", "draft_dtype"),
+                      ("retrieval", "retrieval")):
         if getattr(args, flag) != "auto":
             engine[key] = getattr(args, flag)
     if args.verify_threshold is not None:

@@ -122,6 +122,22 @@ def test_serve_flags_build_the_cluster_config_over_a_config_file(tmp_path):
     assert (defaults.grpc_port, defaults.replicas.num_replicas, defaults.engine.max_concurrency) == (9000, 1, 8)
 
 
+def test_draft_dtype_flag_reaches_the_engine_and_cluster_configs():
+    from dspine.cluster.cli import build_parser, cluster_config_from_args
+    from dspine.cluster.cli.options import engine_config
+
+    args = build_parser().parse_args(["bench", "engine", "--draft-dtype", "bfloat16", "--dtype", "float32"])
+    config = engine_config(args)
+    assert (config.torch_dtype, config.torch_draft_dtype) == (torch.float32, torch.bfloat16)
+    assert engine_config(build_parser().parse_args(["bench", "engine", "--dtype", "float32"])).torch_draft_dtype \
+        == torch.float32  # auto: the target's
+    served = cluster_config_from_args(build_parser().parse_args(["serve", "--draft-dtype", "bfloat16"]))
+    assert served.engine.engine_config(1).draft_dtype == "bfloat16"
+    assert cluster_config_from_args(build_parser().parse_args(["serve"])).engine.engine_config(1).draft_dtype == "auto"
+    with pytest.raises(ValueError, match="draft_dtype"):
+        EngineConfig(draft_dtype="int8")
+
+
 def test_serve_cluster_refuses_standalone_only_flags(capsys):
     from dspine.cluster.cli import main
 
