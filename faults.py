@@ -45,6 +45,9 @@ MEMORY_FAULTS: dict[str, str] = {
                                      "context",
     # tests/replica/test_memory_admission.py::test_admission_check_fails_when_memory_is_ignored
     "scheduler.admission_ignores_memory": "the scheduler starts a waiting request whatever its reservation",
+    # tests/replica/models/test_row_packing.py
+    "target.pad_rows_for_gemms": "a ragged forward_step runs its projections, MLPs and LM head on every "
+                                 "padded row of the [B, T] grid, not only the requests' real rows",
     # tests/replica/models/test_paged_kv.py and test_target_kv_engine.py
     "paged_kv.write_padded_rows": "a ragged paged step writes every padded row of the batch into the "
                                   "target K/V pool, not only the requests' new rows",

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gdn_backend
+from .row_packing import RowPacking
 from .target_config import TargetArgs
 
 
@@ -115,16 +116,18 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
 
-    def forward(self, x, conv_state, recurrent, num_new, valid, keep_inputs: bool):
-        """x [B, T, H]; conv_state [B, C, K-1]; recurrent [B, Hv, Dk, Dv] fp32;
-        num_new [B] int64 (T_b, tokens per request); valid [B, T] bool or None (None: all T_b == T).
-        Returns (out [B, T, H], conv_state after T_b, recurrent after T_b, replay inputs or None)."""
-        B, T, _ = x.size()
+    def forward(self, x, conv_state, recurrent, num_new, valid, keep_inputs: bool, packing: RowPacking):
+        """x [N, H] (the step's real rows, packed by ``packing``); conv_state [B, C, K-1]; recurrent
+        [B, Hv, Dk, Dv] fp32; num_new [B] int64 (T_b, tokens per request); valid [B, T] bool or None
+        (None: all T_b == T). Returns (out [N, H], conv_state after T_b, recurrent after T_b, replay
+        inputs [B, T, ...] or None). The projections run on the N real rows; the conv and the delta
+        rule on the padded [B, T] grid, where padded rows are zeros with g = beta = 0."""
+        B, T = packing.batch, packing.width
         Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
-        conv_in = self.in_proj_qkv(x)  # (B, T, C)
-        z = self.in_proj_z(x).view(B, T, Hv, Dv)
-        beta = self.in_proj_b(x).float().sigmoid()  # (B, T, Hv)
-        log_decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        conv_in = packing.pad(self.in_proj_qkv(x))  # (B, T, C)
+        z = self.in_proj_z(x).view(-1, Hv, Dv)  # (N, Hv, Dv)
+        beta = packing.pad(self.in_proj_b(x).float().sigmoid())  # (B, T, Hv)
+        log_decay = packing.pad(-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()))
         if valid is not None:
             beta = beta * valid[..., None]
             log_decay = log_decay * valid[..., None]
@@ -174,6 +177,6 @@ class GatedDeltaNet(nn.Module):
                 state = delta_rule_step(state, k[:, t], v[:, t], log_decay[:, t], beta[:, t])
                 outs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))  # (B, Hv, Dv)
             core = torch.stack(outs, dim=1).to(x.dtype)  # (B, T, Hv, Dv)
-        out = self.out_proj(self.norm(core, z).reshape(B, T, self.value_dim))
+        out = self.out_proj(self.norm(packing.pack(core), z).reshape(-1, self.value_dim))  # (N, H)
         replay = (conv_in, k, v, log_decay, beta) if keep_inputs else None
         return out, new_conv, state, replay

@@ -41,6 +41,7 @@ from dspine import faults
 
 from .gated_deltanet import GatedDeltaNet, delta_rule_replay
 from .paged_kv_pool import PagedKVPool
+from .row_packing import RowPacking
 from .target_attention import Attention, PagedContext, StepContext
 from .target_config import FULL, TARGET_CONFIGS, TargetArgs
 from .swiglu import SwiGLU
@@ -165,7 +166,8 @@ class TargetModel(nn.Module):
         num_new = torch.tensor(lens, device=device)
         valid = None if all(n == T for n in lens) else ar[None, :] < num_new[:, None]  # (B, T)
 
-        x = self.embed_tokens(ids)  # (B, T, H)
+        packing = RowPacking(lens, valid)
+        x = self.embed_tokens(packing.pack(ids))  # (N, H): only the real rows (row_packing.py)
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, R/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, R)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -206,10 +208,10 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if layer.is_full:
-                h = layer.self_attn(h, ctx, layer.kind_index)
+                h = layer.self_attn(h, ctx, layer.kind_index, packing)
             else:
                 j = layer.kind_index
-                h, c, r, inp = layer.linear_attn(h, conv[:, j], rec[:, j], num_new, valid, keep_inputs)
+                h, c, r, inp = layer.linear_attn(h, conv[:, j], rec[:, j], num_new, valid, keep_inputs, packing)
                 new_conv.append(c)
                 new_rec.append(r)
                 replay.append(inp)
@@ -218,9 +220,11 @@ class TargetModel(nn.Module):
             if i in taps:
                 taps[i] = x
         if logits == "last":
-            x = x[torch.arange(B, device=device), num_new - 1][:, None]  # (B, 1, H)
-        logits = None if logits == "none" else F.linear(self.norm(x), self.lm_head_weight).float()  # (B, T|1, V)
-        features = torch.stack([taps[i] for i in feature_layers], dim=2) if feature_layers else None
+            x = x[packing.last_index][:, None]  # (B, 1, H)
+        logits = None if logits == "none" else F.linear(self.norm(x), self.lm_head_weight).float()  # (N | B, 1, V)
+        if logits is not None and logits.dim() == 2:
+            logits = packing.pad(logits)  # (B, T, V); padded rows are zeros
+        features = packing.pad(torch.stack([taps[i] for i in feature_layers], dim=1)) if feature_layers else None
 
         if stateless:
             return StepOutput(logits=logits, features=features, num_new=lens)

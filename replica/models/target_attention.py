@@ -13,6 +13,7 @@ from torch import nn
 
 from dspine import faults
 
+from .row_packing import RowPacking
 from .target_config import TargetArgs
 from .target_layers import RMSNorm
 
@@ -67,23 +68,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.zero_centred_norm)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.zero_centred_norm)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, idx: int) -> torch.Tensor:
-        B, T, C = x.size()
+    def forward(self, x: torch.Tensor, ctx: StepContext, idx: int, packing: RowPacking) -> torch.Tensor:
+        """x [N, H]: the step's real rows, packed by ``packing``; the projections run on them, RoPE
+        and attention on the padded [B, T] grid. Returns [N, H]."""
+        B, T = packing.batch, packing.width
+        N = x.shape[0]
         D = self.head_dim
         q = self.q_proj(x)
+        gate = None
         if self.gated:  # per head: [query (D) | gate (D)]
-            q, gate = q.view(B, T, self.n_head, 2 * D).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, self.n_head * D)
-        q = self.q_norm(q.reshape(B, T, self.n_head, D)).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, D)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)  # (B, Hkv, T, D)
+            q, gate = q.view(N, self.n_head, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(N, self.n_head * D)
+        q = packing.pad(self.q_norm(q.reshape(N, self.n_head, D))).transpose(1, 2)  # (B, Hq, T, D)
+        k = packing.pad(self.k_norm(self.k_proj(x).view(N, self.n_kv, D))).transpose(1, 2)  # (B, Hkv, T, D)
+        v = packing.pad(self.v_proj(x).view(N, self.n_kv, D)).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
 
         if ctx.paged is not None:
-            return self._paged(q, k, v, ctx, idx, gate if self.gated else None)
+            return self._paged(q, k, v, ctx, idx, gate, packing)
         if ctx.k_buf is None:  # stateless (training): the keys are exactly the new tokens
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
-            return self._output(y, gate if self.gated else None)
+            return self._output(y, gate, packing)
         k_buf, v_buf = ctx.k_buf[idx], ctx.v_buf[idx]  # (B, Hkv, S, D)
         if ctx.uniform_start:
             n = ctx.starts[0]
@@ -95,9 +100,9 @@ class Attention(nn.Module):
             v_buf[b_idx, :, ctx.positions] = v.transpose(1, 2)
         keys, values = k_buf[:, :, : ctx.key_len], v_buf[:, :, : ctx.key_len]  # (B, Hkv, S, D)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=self.n_kv != self.n_head)
-        return self._output(y, gate if self.gated else None)
+        return self._output(y, gate, packing)
 
-    def _paged(self, q, k, v, ctx: "StepContext", idx: int, gate):
+    def _paged(self, q, k, v, ctx: "StepContext", idx: int, gate, packing: RowPacking):
         """q (B, Hq, T, D); k, v (B, Hkv, T, D): store the new rows in the pool, attend over it."""
         B, _, T, D = q.shape
         p = ctx.paged
@@ -119,11 +124,12 @@ class Attention(nn.Module):
 
             y = paged_attention(q.transpose(1, 2), p.pool.layer_k(idx), p.pool.layer_v(idx), p.block_table,
                                 p.starts, D**-0.5, backend=p.backend).transpose(1, 2)
-        return self._output(y, gate)
+        return self._output(y, gate, packing)
 
-    def _output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        B, _, T, D = y.size()  # (B, Hq, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * D)  # (B, T, Hq * D)
+    def _output(self, y: torch.Tensor, gate: torch.Tensor | None, packing: RowPacking) -> torch.Tensor:
+        # y: [B, Hq, T, D]; gate: [N, Hq * D] or None -> [N, H]
+        B, _, T, D = y.size()
+        y = packing.pack(y.transpose(1, 2).reshape(B, T, self.n_head * D))  # (N, Hq * D)
         if gate is not None:
             y = y * torch.sigmoid(gate)
         return self.o_proj(y)
