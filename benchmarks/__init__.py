@@ -16,4 +16,5 @@ never import this package (tests/test_packaging.py); the CLI's ``dspine bench`` 
 ``prompts``                held-out stdlib prompts (or seeded random ids) shared by the benches
 ``refusal_latency``        ``python -m dspine.benchmarks.refusal_latency``: RESOURCE_EXHAUSTED latency, 200 streams on 8 slots
 ``engine_refusal_latency`` ``python -m dspine.benchmarks.engine_refusal_latency``: the engine's refusals while it steps
+``ragged_step``            ``python -m dspine.benchmarks.ragged_step``: a ragged target forward, packed vs padded rows
 """
