@@ -128,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(-1, Hv, Dv)  # (N, Hv, Dv)
         beta = packing.pad(self.in_proj_b(x).float().sigmoid())  # (B, T, Hv)
         log_decay = packing.pad(-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float()))
-        if valid is not None:
+        if valid is not None:  # padded rows are zeros already, unless they ran through the GEMMs too
             beta = beta * valid[..., None]
             log_decay = log_decay * valid[..., None]
 

@@ -19,17 +19,18 @@ class RowPacking:
 
     def __init__(self, lens: list[int], valid: torch.Tensor | None):
         # valid: [B, T] bool, or None when every request brings T rows
+        self.lens = lens
         self.batch = len(lens)
         self.width = max(lens)
-        self.num_rows = sum(lens)
         self.ragged = valid is not None and not faults.active("target.pad_rows_for_gemms")
-        self._valid = valid
-        device = None if valid is None else valid.device
         self.index = valid.reshape(-1).nonzero().squeeze(1) if self.ragged else None  # [N]
-        ends = torch.tensor(lens, device=device).cumsum(0) - 1
-        # last real row of each request: packed rows when ragged, else rows of the [B * T] grid
-        self.last_index = ends if self.ragged else torch.arange(self.batch, device=device) * self.width + (
-            torch.tensor(lens, device=device) - 1)
+
+    def last_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, ...]: each request's last real row (what a prefill samples from)."""
+        # built here, not per step: only a prefill's logits="last" asks for it
+        lens = torch.tensor(self.lens, device=x.device)
+        last = lens.cumsum(0) - 1 if self.ragged else torch.arange(self.batch, device=x.device) * self.width + lens - 1
+        return x[last]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [N, ...] (N = B * T when not ragged)."""

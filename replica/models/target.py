@@ -219,11 +219,12 @@ class TargetModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in taps:
                 taps[i] = x
-        if logits == "last":
-            x = x[packing.last_index][:, None]  # (B, 1, H)
-        logits = None if logits == "none" else F.linear(self.norm(x), self.lm_head_weight).float()  # (N | B, 1, V)
-        if logits is not None and logits.dim() == 2:
-            logits = packing.pad(logits)  # (B, T, V); padded rows are zeros
+        if logits == "all":  # (B, T, V); padded rows are zeros
+            logits = packing.pad(F.linear(self.norm(x), self.lm_head_weight).float())
+        elif logits == "last":  # (B, 1, V)
+            logits = F.linear(self.norm(packing.last_rows(x)), self.lm_head_weight).float()[:, None]
+        else:
+            logits = None
         features = packing.pad(torch.stack([taps[i] for i in feature_layers], dim=1)) if feature_layers else None
 
         if stateless:

@@ -31,7 +31,7 @@ def test_pack_and_pad_round_trip_in_row_major_order():
     packed = packing.pack(grid)
     assert packed.squeeze(1).tolist() == [0.0, 1.0, 2.0, 3.0, 6.0, 7.0]
     assert packing.pad(packed).squeeze(2).tolist() == [[0, 1, 2], [3, 0, 0], [6, 7, 0]]
-    assert packed[packing.last_index].squeeze(1).tolist() == [2.0, 3.0, 7.0]
+    assert packing.last_rows(packed).squeeze(1).tolist() == [2.0, 3.0, 7.0]
 
 
 def _rows_through_mlps(model, lens, pool):
