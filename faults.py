@@ -143,8 +143,8 @@ ENGINE_FAULTS: dict[str, str] = {
                                  "target-only, so a few failed cycles keep it from drafting until a probe",
     # tests/replica/test_speculation_policy.py::test_a_plan_pays_for_the_rows_its_forward_pads
     "policy.verify_cost_by_unpadded_rows": "the cost model prices a verify forward by the rows its requests "
-                                           "verify, not by the rows it computes (every request padded to the "
-                                           "longest), and the plan adds rows in order of gain",
+                                           "verify only, not the padding of its grid (every request padded "
+                                           "to the longest) that attention, the conv and the delta rule run on",
 }
 
 # Faults of the gRPC edge's responsiveness, each caught by the test named beside it.

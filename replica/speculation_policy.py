@@ -6,7 +6,8 @@ target step. Both sides are measured, not assumed:
 
 * :class:`CostModel` learns, online and on the machine it runs on, the target
   forward's seconds as a line in the rows it carries (a target-only step over
-  B requests is B rows; a verify pads every request to the longest one's rows)
+  B requests is B rows; a verify computes its real rows, and a share of the padding
+  of its grid, every request padded to the longest one's rows)
   and the draft + tail + commit overhead as a line in the rows drafted (each
   drafting request's block is the anchor plus the longest plan's rows).
   Observations decay, so the model follows a machine whose speed drifts.
@@ -22,9 +23,11 @@ target step. Both sides are measured, not assumed:
 :class:`SpeculationPolicy.plan` then picks the plan with the most expected
 tokens per second (row t of request b gains ``P(rows 1..t of b accepted)``
 tokens, scaled by what the kind's planned cycles accepted against their
-forecasts; the verify forward costs its padded rows, every request of the step
-times the longest one's, or the riders run a target-only forward of their own
-when that is cheaper), and compares it with a target-only step. When
+forecasts; each request verifies its own number of rows, and the verify forward
+costs the rows it verifies plus a share of its grid's padding, every request of
+the step padded to the longest one's rows, or the riders run a target-only
+forward of their own when that is cheaper), and compares it with a target-only
+step. When
 target-only wins, a probe step drafts again after a while (4 steps, doubling
 up to 64 while speculation keeps losing; 256 for sampled requests, each kind
 and batch size on its own schedule) so a request whose text becomes
@@ -58,6 +61,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 import operator
+from bisect import bisect_left
 from itertools import accumulate
 
 from dspine import faults
@@ -66,6 +70,12 @@ from .drain_pricing import DrainPricing, drain_pricing, shortest_runs
 
 __all__ = ["LinearCost", "CostModel", "AcceptanceProfile", "SpeculationPolicy", "StepPlan"]
 
+# A padding row of a verify forward's [requests, longest rows] grid (attention, the conv and the
+# delta rule run on the grid; projections, MLPs and the LM head on the real rows only) as a share of
+# a real row's cost: on a 2-core CPU, the embedded pair's forward took 3.74 ms + 0.059 ms per real
+# row + 0.030 ms per grid row (fit to 8 x 1, 8 x 16 and 16 + 7 x 1 rows, 4.45, 15.13 and 8.96 ms;
+# `python -m dspine.benchmarks.ragged_step`), so a padding row costs 0.030 / 0.089 of a real one.
+_PADDING_ROW_SHARE = 0.34
 # Weight of history per new observation: 0.9 forgets a timing in about ten steps.
 _COST_DECAY = 0.9
 # The target-only line forgets more slowly (about fifty steps): those steps are plentiful, and a
@@ -190,19 +200,21 @@ class LinearCost:
 
 @dataclass
 class CostModel:
-    """Seconds of a target-only forward (by rows), of a verify forward (by padded rows) and of the
-    speculative overhead (by drafted rows).
+    """Seconds of a target-only forward (by rows), of a verify forward (by its rows, see
+    :meth:`verify_rows`) and of the speculative overhead (by drafted rows).
 
     The two forwards are separate lines: a verify also runs the verification (probabilities of
     every row when sampling) and keeps each row's features, so its cost per row is well above a
     target-only step's, and a shared line would forget the verify's slope during a stretch of
     target-only steps (the decay counts observations, and those are mostly target-only).
 
-    A verify forward pads every request of the step to the longest one's rows (the riders' one
-    real row included), so its rows are ``batch * (1 + longest draft rows)``, not the rows the
-    requests verify: with 8 requests in flight, two that verify 15 rows each make a forward of
-    128 rows, not 38, and priced at 38 that step looked like it paid when it cost 3.7 target-only
-    steps for 2 steps' tokens."""
+    A verify forward runs its projections, MLPs and LM head on the rows its requests verify (each
+    request's anchor row included, riders' one row too: ``replica/models/row_packing.py``), and its
+    attention, conv and delta rule on the grid of every request padded to the longest one's rows.
+    A padding row of that grid costs ``_PADDING_ROW_SHARE`` of a real row, so a forward's rows are
+    its real rows plus that share of its padding rows. Priced by its real rows alone, one request
+    that verifies 15 rows beside 7 riders (23 rows) looked 3.2 ms cheaper than the 8.96 ms it took
+    on a 2-core CPU; priced by the padded grid (128 rows), 6.2 ms dearer."""
 
     # A CPU's forward grows by several percent of its fixed cost per row; a GPU's barely grows.
     target_forward: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05,
@@ -213,12 +225,17 @@ class CostModel:
     draft_overhead: LinearCost = field(default_factory=lambda: LinearCost(prior_slope_share=0.05))
 
     @staticmethod
-    def verify_rows(batch: int, draft_rows: Sequence[int]) -> int:
-        """Rows a verify forward of ``batch`` requests computes when its drafting requests verify
-        ``draft_rows`` draft rows each (the others ride with one row)."""
-        if faults.active("policy.verify_cost_by_unpadded_rows"):
-            return batch + sum(draft_rows)
-        return batch * (1 + max(draft_rows))
+    def padding_row_share() -> float:
+        """What a padding row of a verify forward's grid costs, as a share of a real row's cost."""
+        return 0.0 if faults.active("policy.verify_cost_by_unpadded_rows") else _PADDING_ROW_SHARE
+
+    @classmethod
+    def verify_rows(cls, batch: int, draft_rows: Sequence[int]) -> float:
+        """Rows, in real-row units, of a verify forward of ``batch`` requests whose drafting requests
+        verify ``draft_rows`` draft rows each (the others ride with one row): its real rows plus
+        ``padding_row_share`` of each padding row of its grid (``batch`` x the longest one's rows)."""
+        real = batch + sum(draft_rows)
+        return real + cls.padding_row_share() * (batch * (1 + max(draft_rows)) - real)
 
     @staticmethod
     def drafted_rows(draft_rows: Sequence[int]) -> int:
@@ -234,8 +251,7 @@ class CostModel:
     def observe_speculative(self, drafted_rows: int, rows: int, forward_seconds: float,
                             overhead_seconds: float) -> None:
         """A step whose drafter and tail computed ``drafted_rows`` rows (see :meth:`drafted_rows`)
-        and whose one forward computed ``rows`` rows (see :meth:`verify_rows`: padded, riders
-        included)."""
+        and whose one forward computed ``rows`` rows (see :meth:`verify_rows`: riders included)."""
         self.verify_forward.observe(rows, forward_seconds)
         self.draft_overhead.observe(drafted_rows, overhead_seconds)
 
@@ -253,10 +269,8 @@ class CostModel:
     def step_cost(self, batch: int, draft_rows: Sequence[int] = ()) -> tuple[float, bool]:
         """``(seconds, riders_apart)`` of a step of ``batch`` requests in which some draft,
         ``draft_rows`` rows each. The requests that do not draft either ride in the verify forward
-        (one forward, each of them padded to the longest drafting request's rows) or run their own
-        target-only forward after it (two forwards' fixed costs, no padding): with 8 requests in
-        flight, one that drafts 15 rows makes a riding forward of 128 rows, 1.6 times the cost of
-        its own 16 rows plus the others' target-only step on a 2-core CPU."""
+        (one forward, its grid padded to the longest drafting request's rows) or run their own
+        target-only forward after it (two forwards' fixed costs, no padding)."""
         if not draft_rows:
             return self.target_only_seconds(batch), False
         overhead = self.draft_overhead.predict(self.drafted_rows(draft_rows))
@@ -677,45 +691,56 @@ class SpeculationPolicy:
                    pricing: DrainPricing | None = None, profiles: Mapping[str, "_RowEstimates"] | None = None,
                    rate_factor: float = 1.0) -> tuple[dict[str, int], bool]:
         """The plan with the most tokens per second, if it beats target-only, and whether its riders
-        run apart: for each longest row count T, the requests with the most expected tokens from their
-        first T rows.
+        run apart: for each longest row count T, each request's rows and the requests that draft.
 
-        A step's cost depends only on T and on how many requests draft (every drafting request is
-        padded to T rows, and so is every rider that rides), so once T is chosen a drafting request
-        verifies all its rows up to T (they cost nothing more), and of k drafting requests the best
-        are the k with the largest expected accepted tokens over T rows. Runs every decode step on the
-        engine's thread: the cost lines are read once (with 8 requests x 15 rows, calling
-        `CostModel.step_seconds` per candidate took 4% of a CPU target step). ``prune``: skip the T
-        that no plan could win with (:meth:`_may_beat`); False searches them all, the reference
-        the pruning is tested against.
+        At a longest row count T a step costs a fixed part, per drafting request the drafter's
+        ``1 + T`` rows and (riders apart) its share of the padded grid, and per verified row one
+        real row of the verify forward (:meth:`CostModel.verify_rows`). For a rate ``r`` to beat, a
+        plan beats it exactly when its tokens less ``r`` times its seconds are positive, and that
+        difference splits by request: each request verifies the rows whose gain exceeds ``r`` times
+        a real row's seconds (its gains only fall row by row, so they are its first rows, up to T),
+        and of ``k`` drafting requests the best are the ``k`` whose rows gain most over their cost.
+        So for each T the search ranks the requests at the best rate found so far, prices every
+        prefix of that ranking (riding and apart), and ranks again at the better rate a prefix
+        found, until none is better: then no plan at T beats it (Dinkelbach's method). Runs every
+        decode step on the engine's thread: the cost lines are read once. ``prune``: skip the T that
+        no plan could win with (:meth:`_may_beat`); False searches them all, the reference the
+        pruning is tested against.
 
         ``remaining`` and ``refill_share`` price the tokens (``replica/drain_pricing.py``; ``pricing``:
         that pricing already made from them): where freed
         slots stay empty a token is worth less, except one that shortens the batch's longest remaining
-        output, which every one of the critical requests must accept (so a plan drafts all of them,
-        and the others in order of gain, or none). ``profiles``: each candidate's estimates in place
-        of its own; ``rate_factor``: a plan must beat that share of the target-only rate."""
-        if faults.active("policy.verify_cost_by_unpadded_rows"):
-            return self._best_rows_by_gain(candidates, num_target_only), False
+        output, which every one of the critical requests must accept (so a plan that counts it drafts
+        all of them, each over its first T rows, and the others in order of gain). ``profiles``: each
+        candidate's estimates in place of its own; ``rate_factor``: a plan must beat that share of the
+        target-only rate."""
         batch = len(candidates) + num_target_only
         best_rate = rate_factor * batch / self.costs.step_seconds(batch)
         overhead_intercept, overhead_slope = self.costs.draft_overhead.coefficients()
         verify_intercept, verify_slope = self.costs.verify_forward.coefficients()
+        padding_share = self.costs.padding_row_share()
+        real_row_seconds = verify_slope * (1 - padding_share)  # a row the forward computes packed
+        grid_row_seconds = verify_slope * padding_share  # a row of its [requests, 1 + T] grid
         # the riders' own target-only forward, by their number (CostModel.step_cost); inf: they ride.
         # Read only once a row count passes the bound below (most steps of sampled requests: none).
         riders_seconds: list[float] = []
-        # per request: expected accepted tokens when it verifies its first t rows, t = 1..max_rows
         calibration = {kind: self.forecast_calibration(kind) for kind in self._calibration}
         drafting_candidates = {r: (profiles[r] if profiles is not None else self.profile(r),
                                    calibration[self._kinds[r]], m)
                                for r, m in candidates.items() if m > 0}
-        best: tuple[int, list[str], bool] = (0, [], False)
+        best: tuple[dict[str, int], bool] = ({}, False)
         base = overhead_intercept + verify_intercept
         if pricing is None:
             pricing = self._pricing(candidates, remaining, refill_share)
         value = pricing.token_value
         has_lead = bool(pricing.critical) and pricing.lead_token_value > 0
         num_critical = len(pricing.critical)
+
+        def per_request(longest: int) -> float:
+            """The least seconds a drafting request adds at T rows: the drafter's rows, its grid rows
+            and two real rows (its anchor and one draft row)."""
+            return (overhead_slope + grid_row_seconds) * (1 + longest) + 2 * real_row_seconds
+
         # Every T at once, from one number per request: none gains more than over all its rows, none
         # costs less than at T = 1. Most steps of requests that do not pay end here.
         if prune and drafting_candidates:
@@ -724,49 +749,64 @@ class SpeculationPolicy:
             lead_bound = pricing.lead_token_value * min(pricing.lead, min(
                 whole[r] for r in pricing.critical)) if has_lead else 0.0
             if not self._may_beat(best_rate, batch, [value * w for w in whole.values()], base,
-                                  (verify_slope + overhead_slope) * 2,
-                                  lead_bound, num_critical):
+                                  per_request(1), lead_bound, num_critical):
                 return {}, False
         # the lead the critical requests may gain together over their first T rows, T = 1..num_rows
         leads = [pricing.lead_token_value * min(pricing.lead, run) for run in shortest_runs(
             [[c * g for g in p.gains(m)] for r, (p, c, m) in drafting_candidates.items() if r in pricing.critical],
             self.num_rows)] if has_lead else []
         # the critical requests drafting first, then the others by gain: a plan of its own unless
-        # every candidate is critical (then it is the order by gain)
+        # every candidate is critical
         critical_first = bool(leads) and num_critical < len(drafting_candidates)
-        expected = {r: [value * c * tokens for tokens in p.expected_tokens(m)]
-                    for r, (p, c, m) in drafting_candidates.items()}
-        request_ids = list(expected)
+        request_ids = list(drafting_candidates)
+        # per request: the gain of each of its rows (falling row by row) and its expected tokens over
+        # its first t rows, t = 1..its cap; negated gains for bisect
+        row_gains = {r: [value * c * g for g in p.gains(m)] for r, (p, c, m) in drafting_candidates.items()}
+        expected = {r: list(accumulate(g)) for r, g in row_gains.items()}
+        falling = {r: [-g for g in gains] for r, gains in row_gains.items()}
+        # a critical request counted for the lead verifies all its rows up to T (the lead is priced so)
+        whole_rows = set(pricing.critical) if leads else set()
         most_rows = max((len(e) for e in expected.values()), default=0)
-        # column T - 1: each request's expected tokens over its first T rows (its last, past its own cap)
-        columns = list(zip(*(e + e[-1:] * (most_rows - len(e)) for e in expected.values())))
-        for longest in range(1, len(columns) + 1):
-            gains = columns[longest - 1]
+        for longest in range(1, most_rows + 1):
             lead = leads[longest - 1] if leads else 0.0
             if prune and not self._may_beat(
-                    best_rate, batch, gains, base, (verify_slope + overhead_slope) * (1 + longest), lead, num_critical):
+                    best_rate, batch, [e[min(longest, len(e)) - 1] for e in expected.values()], base,
+                    per_request(longest), lead, num_critical):
                 continue
-            riding = base + verify_slope * batch * (1 + longest)
-            ranked = sorted(zip(gains, request_ids), key=lambda item: (-item[0], item[1]))
             if not riders_seconds:
                 riders_seconds = self._riders_seconds(batch)
-            orders = [ranked]
-            if critical_first and lead > 0:
-                orders.append(sorted(ranked, key=lambda item: item[1] not in pricing.critical))
-            for order in orders:
-                tokens, critical_in = float(batch), 0
-                for count, (gain, request_id) in enumerate(order, start=1):
-                    tokens += gain
-                    critical_in += request_id in pricing.critical
-                    drafting = overhead_slope * count * (1 + longest)  # CostModel.drafted_rows
-                    apart = base + verify_slope * count * (1 + longest) + riders_seconds[batch - count]
-                    seconds = drafting + min(riding, apart)
-                    worth = tokens + (lead if critical_in == num_critical else 0.0)
-                    if worth / seconds > best_rate:
-                        best_rate = worth / seconds
-                        best = (longest, [r for _, r in order[:count]], apart < riding)
-        longest, drafting_ids, riders_apart = best
-        return {request_id: min(longest, candidates[request_id]) for request_id in drafting_ids}, riders_apart
+            drafting_seconds = overhead_slope * (1 + longest)  # per drafting request: CostModel.drafted_rows
+            grid_seconds = grid_row_seconds * (1 + longest)  # per request of the forward
+            riders_grid = base + real_row_seconds * batch + grid_seconds * batch
+            improved = True
+            while improved:
+                improved = False
+                row_price = best_rate * real_row_seconds
+                rows, net = {}, {}
+                for r in request_ids:
+                    cap = min(longest, len(expected[r]))
+                    n = cap if r in whole_rows else max(1, min(cap, bisect_left(falling[r], -row_price)))
+                    rows[r] = n
+                    net[r] = expected[r][n - 1] - row_price * n
+                ranked = sorted(request_ids, key=lambda r: (-net[r], r))
+                orders = [ranked]
+                if critical_first and lead > 0:
+                    orders.append(sorted(ranked, key=lambda r: r not in pricing.critical))
+                for order in orders:
+                    tokens, verified, critical_in = float(batch), 0, 0
+                    for count, request_id in enumerate(order, start=1):
+                        tokens += expected[request_id][rows[request_id] - 1]
+                        verified += rows[request_id]
+                        critical_in += request_id in pricing.critical
+                        riding = riders_grid + real_row_seconds * verified
+                        apart = (base + real_row_seconds * (count + verified) + grid_seconds * count
+                                 + riders_seconds[batch - count]) if count < batch else riding
+                        seconds = drafting_seconds * count + min(riding, apart)
+                        worth = tokens + (lead if critical_in == num_critical else 0.0)
+                        if worth / seconds > best_rate:
+                            best_rate, improved = worth / seconds, True
+                            best = ({r: rows[r] for r in order[:count]}, apart < riding)
+        return best
 
     def _cannot_pay_while_quiet(self, candidates: dict[str, int], num_target_only: int,
                                 pricing: DrainPricing) -> bool:
@@ -843,26 +883,6 @@ class SpeculationPolicy:
         # the slack: a bound equal to a plan's rate must not drop it by a rounding of the division
         floor = best_rate * (1 - 1e-12)
         return bound(0.0, 1) > floor or (lead > 0 and num_critical > 0 and bound(lead, num_critical) > floor)
-
-    def _best_rows_by_gain(self, candidates: dict[str, int], num_target_only: int) -> dict[str, int]:
-        """The plan priced by unpadded rows (the fault ``policy.verify_cost_by_unpadded_rows``): rows in
-        order of gain, the prefix with the most tokens per second."""
-        batch = len(candidates) + num_target_only
-        ranked = sorted(((self.forecast_calibration(self._kinds[request_id]) * gain, request_id)
-                         for request_id, max_rows in candidates.items()
-                         for gain in self.profile(request_id).gains(max_rows)), key=lambda item: -item[0])
-        best_rate, best_count, tokens, drafting = batch / self.costs.step_seconds(batch), 0, float(batch), set()
-        for count, (gain, request_id) in enumerate(ranked, start=1):
-            tokens += gain
-            drafting.add(request_id)
-            seconds = self.costs.draft_overhead.predict(len(drafting) + count) + self.costs.verify_forward.predict(
-                batch + count)
-            if tokens / seconds > best_rate:
-                best_rate, best_count = tokens / seconds, count
-        rows: dict[str, int] = {}
-        for _, request_id in ranked[:best_count]:
-            rows[request_id] = rows.get(request_id, 0) + 1
-        return rows
 
     # ------------------------------------------------------------ learning
     def observe_cycle(self, request_id: str, num_verified: int, accepted_len: int) -> None:
