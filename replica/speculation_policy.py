@@ -767,6 +767,7 @@ class SpeculationPolicy:
         # a critical request counted for the lead verifies all its rows up to T (the lead is priced so)
         whole_rows = set(pricing.critical) if leads else set()
         most_rows = max((len(e) for e in expected.values()), default=0)
+        priced_at, row_price, paying_rows = None, 0.0, {}
         for longest in range(1, most_rows + 1):
             lead = leads[longest - 1] if leads else 0.0
             if prune and not self._may_beat(
@@ -781,11 +782,13 @@ class SpeculationPolicy:
             improved = True
             while improved:
                 improved = False
-                row_price = best_rate * real_row_seconds
+                if priced_at != best_rate:  # each request's rows worth their seconds at this rate
+                    priced_at, row_price = best_rate, best_rate * real_row_seconds
+                    paying_rows = {r: len(expected[r]) if r in whole_rows
+                                   else max(1, bisect_left(falling[r], -row_price)) for r in request_ids}
                 rows, net = {}, {}
                 for r in request_ids:
-                    cap = min(longest, len(expected[r]))
-                    n = cap if r in whole_rows else max(1, min(cap, bisect_left(falling[r], -row_price)))
+                    n = min(longest, paying_rows[r])
                     rows[r] = n
                     net[r] = expected[r][n - 1] - row_price * n
                 ranked = sorted(request_ids, key=lambda r: (-net[r], r))
