@@ -248,7 +248,7 @@ class CostModel:
             self.target_forward.decay = _COST_DECAY
         self.target_forward.observe(rows, seconds)
 
-    def observe_speculative(self, drafted_rows: int, rows: int, forward_seconds: float,
+    def observe_speculative(self, drafted_rows: int, rows: float, forward_seconds: float,
                             overhead_seconds: float) -> None:
         """A step whose drafter and tail computed ``drafted_rows`` rows (see :meth:`drafted_rows`)
         and whose one forward computed ``rows`` rows (see :meth:`verify_rows`: riders included)."""
