@@ -711,7 +711,8 @@ class SpeculationPolicy:
         that pricing already made from them): where freed
         slots stay empty a token is worth less, except one that shortens the batch's longest remaining
         output, which every one of the critical requests must accept (so a plan that counts it drafts
-        all of them, each over its first T rows, and the others in order of gain). ``profiles``: each
+        all of them; then each of them verifies its first T rows in every plan, and the others are
+        ranked as above). ``profiles``: each
         candidate's estimates in place of its own; ``rate_factor``: a plan must beat that share of the
         target-only rate."""
         batch = len(candidates) + num_target_only
@@ -760,11 +761,11 @@ class SpeculationPolicy:
         critical_first = bool(leads) and num_critical < len(drafting_candidates)
         request_ids = list(drafting_candidates)
         # per request: the gain of each of its rows (falling row by row) and its expected tokens over
-        # its first t rows, t = 1..its cap; negated gains for bisect
+        # its first t rows, t = 1..its cap
         row_gains = {r: [value * c * g for g in p.gains(m)] for r, (p, c, m) in drafting_candidates.items()}
         expected = {r: list(accumulate(g)) for r, g in row_gains.items()}
-        falling = {r: [-g for g in gains] for r, gains in row_gains.items()}
-        # a critical request counted for the lead verifies all its rows up to T (the lead is priced so)
+        # where a lead is priced the critical requests verify all their rows up to T in every plan
+        # (the lead is priced so): a restriction of the search there, not an exact optimum
         whole_rows = set(pricing.critical) if leads else set()
         most_rows = max((len(e) for e in expected.values()), default=0)
         priced_at, row_price, paying_rows = None, 0.0, {}
@@ -785,7 +786,8 @@ class SpeculationPolicy:
                 if priced_at != best_rate:  # each request's rows worth their seconds at this rate
                     priced_at, row_price = best_rate, best_rate * real_row_seconds
                     paying_rows = {r: len(expected[r]) if r in whole_rows
-                                   else max(1, bisect_left(falling[r], -row_price)) for r in request_ids}
+                                   else max(1, bisect_left(row_gains[r], -row_price, key=operator.neg))
+                                   for r in request_ids}
                 rows, net = {}, {}
                 for r in request_ids:
                     n = min(longest, paying_rows[r])
