@@ -163,6 +163,9 @@ EDGE_FAULTS: dict[str, str] = {
     # tests/cluster/test_edge_executors.py::test_a_full_engine_refuses_while_a_step_holds_the_engine
     "servicer.admission_waits_for_engine": "a full engine's refusal is found only by engine.add_request (after an "
                                            "executor thread and the engine lock), not by the lock-free load check",
+    # tests/cluster/test_launch.py::test_a_local_start_never_joins_the_cluster_ray_address_names
+    "launch.local_start_joins_any_cluster": "a start without --address calls ray.init with no address, which joins "
+                                            "the cluster RAY_ADDRESS or the last `ray start` names",
 }
 
 # Faults of the benchmarks' measurements, each caught by the test named beside it.

@@ -46,8 +46,8 @@ class BenchCluster:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        ray.init(num_cpus=max(8, 2 * sum(replica_counts) * threads), include_dashboard=False, namespace="serve",
-                 log_to_driver=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=max(8, 2 * sum(replica_counts) * threads), include_dashboard=False,
+                 namespace="serve", log_to_driver=False, logging_level="ERROR")  # "local": never join another
         base = ClusterConfig(grpc_port=port)
         serve.start(grpc_options=base.grpc_options(), http_options={"host": "127.0.0.1", "port": 0},
                     logging_config={"log_level": "WARNING"})

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspine import faults
+
 from .config import ENGINE_DEPLOYMENT, ClusterConfig
 
 SERVE_NAMESPACE = "serve"
@@ -47,8 +49,11 @@ def start_cluster(config: ClusterConfig, address: str | None = None) -> None:
         use_ray_token_auth()
         ray.init(address=address, namespace=SERVE_NAMESPACE, log_to_driver=False)
     else:
-        ray.init(num_cpus=local_num_cpus(config), namespace=SERVE_NAMESPACE, include_dashboard=False,
-                 log_to_driver=False)
+        # "local": a new instance of our own. Without an address ray.init joins whatever RAY_ADDRESS or
+        # the last `ray start` on this machine names (a developer's cluster, or one being stopped).
+        local = None if faults.active("launch.local_start_joins_any_cluster") else "local"
+        ray.init(address=local, num_cpus=local_num_cpus(config), namespace=SERVE_NAMESPACE,
+                 include_dashboard=False, log_to_driver=False)
     serve.start(grpc_options=config.grpc_options(), http_options={"host": "0.0.0.0", "port": config.http_port})
     # Returns once every replica is up (blocking=False only means: do not loop forever here).
     serve.run(build_app(config), name=config.app_name, route_prefix="/" + config.app_name, blocking=False)

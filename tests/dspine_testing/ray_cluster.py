@@ -39,7 +39,10 @@ class LocalCluster:
         # Serve's proxy reads its message limit from the environment of the node.
         os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(max_message_bytes)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="serve", log_to_driver=False)
+        # "local": never join a cluster that RAY_ADDRESS or a `ray start` elsewhere on this machine
+        # names (a test's `ray start --head` being stopped made every test of the next module error)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="serve",
+                 log_to_driver=False)
         base = self.config()
         serve.start(grpc_options=base.grpc_options(), http_options={"host": "127.0.0.1", "port": self.http_port})
         self.address = f"127.0.0.1:{self.grpc_port}"
