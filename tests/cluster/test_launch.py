@@ -21,6 +21,8 @@ def _serve_locally_and_generate(monkeypatch) -> int:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = ClusterConfig(grpc_port=free_port(), http_port=free_port(),
                            engine={"device": "cpu", "dtype": "float32", "max_concurrency": 2})
+    for key in config.node_environment():  # start_cluster sets them in this process: undone after the test
+        monkeypatch.delenv(key, raising=False)
     try:
         start_cluster(config)
         with DSpineClient(f"127.0.0.1:{config.grpc_port}") as client:
