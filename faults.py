@@ -123,6 +123,9 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_a_stalled_target_step_does_not_start_drafting_steps_that_lose
     "policy.cost_stalls_kept": "a step that stalled (tens of times its line's estimate) counts at its full "
                                "time, lifting the line for many steps",
+    # tests/replica/test_speculation_policy.py::test_a_stalled_first_drafting_step_does_not_end_speculation
+    "policy.first_drafting_step_trusted": "a drafting cost line's first steps are trusted however slow, and a "
+                                          "probe is priced by them: one stalled first cycle ends drafting for good",
     # tests/replica/test_speculation_policy.py::test_a_lone_sampled_request_that_does_not_pay_is_planned_on_few_steps
     "policy.quiet_steps_need_many_requests": "quiet steps only at 4 or more requests, even when every "
                                              "candidate samples (a lone sampled request planned every step)",

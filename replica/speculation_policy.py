@@ -158,6 +158,16 @@ class LinearCost:
         # against 5 ms lost. Capped at three times the estimate it moves the estimate a few percent.
         # Only between the x already seen: an estimate extrapolated on the prior slope may be far off.
         low, high = self._x_range
+        # Before a line can judge a stall, its estimate is its first steps, and those can carry
+        # one-time costs (a kernel compiled, a buffer allocated, the OS taking a core): one engine's
+        # first drafting step stalled 100 ms on a 2-core CPU, its overhead line read 65 ms against
+        # 3 ms, no probe could pay at that price, and the engine never drafted again. A step far
+        # below such an estimate shows it was not the machine's speed: the line starts over.
+        if (0 < self._w < _STALL_MIN_WEIGHT and low <= x <= high
+                and not faults.active("policy.first_drafting_step_trusted")
+                and seconds * self.stall_factor < self.predict(x)):
+            self._w = self._x = self._y = self._xx = self._xy = 0.0
+            low, high = float("inf"), float("-inf")
         if (self._w >= _STALL_MIN_WEIGHT and low <= x <= high
                 and not faults.active("policy.cost_stalls_kept")):
             cap = self.stall_factor * self.predict(x)
@@ -848,7 +858,13 @@ class SpeculationPolicy:
         A probe of 2 of 8 greedy requests in a closed group costs about 3 target-only steps, and
         what it finds can only make those two run ahead of the others (their tokens are worth 0.4
         of a loaded replica's there): 39 such probes in 12 groups of 8 were 6% of the decode time
-        on a 2-core CPU. Where even a perfect cycle would not pay, the probe is not made."""
+        on a 2-core CPU. Where even a perfect cycle would not pay, the probe is not made. Until the
+        drafting steps' cost lines hold a few steps (their estimate may be a first step's one-time
+        cost, see :meth:`LinearCost.observe`), the probe is made: only drafting steps measure them."""
+        costs = self.costs
+        if (min(costs.verify_forward.num_observations, costs.draft_overhead.num_observations) < _STALL_MIN_WEIGHT
+                and not faults.active("policy.first_drafting_step_trusted")):
+            return True
         tokens = batch + pricing.token_value * sum(probe.values())
         if pricing.critical and pricing.critical <= set(probe):
             tokens += pricing.lead_token_value * min(pricing.lead, min(probe.values()))

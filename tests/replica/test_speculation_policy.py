@@ -16,7 +16,8 @@ from dspine import faults
 
 from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
-from dspine.replica.speculation_policy import _PADDING_ROW_SHARE, AcceptanceProfile, LinearCost, SpeculationPolicy
+from dspine.replica.speculation_policy import (_PADDING_ROW_SHARE, AcceptanceProfile, CostModel, LinearCost,
+                                              SpeculationPolicy)
 from dspine.replica.tail import Proposal
 from dspine_testing.policies import policy_with_costs
 
@@ -893,3 +894,42 @@ def test_quiet_steps_only_count_and_decide_as_the_bookkeeping_did():
     plans, counters = _plans_of_a_changing_batch()
     assert counters[2] > 300 and counters[0] >= 5, counters  # mostly quiet steps, and probes among them
     assert (plans, counters) == _plans_of_a_changing_batch("policy.quiet_steps_do_the_bookkeeping")
+
+
+def _drafting_steps_after_a_stalled_first_cycle(steps: int = 200) -> int:
+    """A fresh policy whose first drafting step stalled (65 ms of overhead against 2 ms), then a
+    request that accepts every row: the drafting steps among ``steps``."""
+    policy = SpeculationPolicy(ROWS)
+    for _ in range(50):
+        policy.costs.observe_target_step(1, 0.004)
+
+    def observe_drafting(rows: int, overhead: float) -> None:
+        policy.costs.observe_speculative(CostModel.drafted_rows([rows]), CostModel.verify_rows(1, [rows]),
+                                         0.004 + 0.0003 * rows, overhead)
+        policy.observe_cycle("r", rows, rows)
+
+    observe_drafting(ROWS, 0.065)
+    drafted = 0
+    for _ in range(steps):
+        rows = policy.plan({"r": ROWS}).draft_rows.get("r", 0)
+        if rows:
+            drafted += 1
+            observe_drafting(rows, 0.002 + 0.0001 * (1 + rows))
+        else:
+            policy.costs.observe_target_step(1, 0.004)
+    return drafted
+
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_first_drafting_step_does_not_end_speculation():
+    """Every row accepted, so drafting pays at the machine's real costs (16 tokens for under 3
+    target-only steps). Trusted, the stalled first step prices every probe out and no step drafts
+    again; the probe that is made anyway measures the real cost and the line starts over."""
+    assert _drafting_steps_after_a_stalled_first_cycle() > 150
+    with faults.inject("policy.first_drafting_step_trusted"):
+        assert _drafting_steps_after_a_stalled_first_cycle() == 0
+    line = LinearCost(prior_slope_share=0.05)
+    line.observe(1, 0.065)
+    line.observe(1, 0.003)
+    assert line.predict(1) == pytest.approx(0.003)
