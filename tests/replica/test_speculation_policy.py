@@ -920,7 +920,6 @@ def _drafting_steps_after_a_stalled_first_cycle(steps: int = 200) -> int:
     return drafted
 
 
-
 @pytest.mark.timeout(30)
 def test_a_stalled_first_drafting_step_does_not_end_speculation():
     """Every row accepted, so drafting pays at the machine's real costs (16 tokens for under 3
