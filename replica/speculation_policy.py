@@ -163,12 +163,12 @@ class LinearCost:
         # first drafting step stalled 100 ms on a 2-core CPU, its overhead line read 65 ms against
         # 3 ms, no probe could pay at that price, and the engine never drafted again. A step far
         # below such an estimate shows it was not the machine's speed: the line starts over.
-        if (0 < self._w < _STALL_MIN_WEIGHT and low <= x <= high
+        if (0 < self._w and not self.settled and low <= x <= high
                 and not faults.active("policy.first_drafting_step_trusted")
                 and seconds * self.stall_factor < self.predict(x)):
             self._w = self._x = self._y = self._xx = self._xy = 0.0
             low, high = float("inf"), float("-inf")
-        if (self._w >= _STALL_MIN_WEIGHT and low <= x <= high
+        if (self.settled and low <= x <= high
                 and not faults.active("policy.cost_stalls_kept")):
             cap = self.stall_factor * self.predict(x)
             if seconds > cap:
@@ -185,6 +185,11 @@ class LinearCost:
     @property
     def num_observations(self) -> float:
         return self._w
+
+    @property
+    def settled(self) -> bool:
+        """The line holds enough steps to judge a stall (before, its estimate is its first steps)."""
+        return self._w >= _STALL_MIN_WEIGHT
 
     def coefficients(self) -> tuple[float, float] | None:
         """``(intercept, slope)`` or None before any observation."""
@@ -861,8 +866,7 @@ class SpeculationPolicy:
         on a 2-core CPU. Where even a perfect cycle would not pay, the probe is not made. Until the
         drafting steps' cost lines hold a few steps (their estimate may be a first step's one-time
         cost, see :meth:`LinearCost.observe`), the probe is made: only drafting steps measure them."""
-        costs = self.costs
-        if (min(costs.verify_forward.num_observations, costs.draft_overhead.num_observations) < _STALL_MIN_WEIGHT
+        if (not (self.costs.verify_forward.settled and self.costs.draft_overhead.settled)
                 and not faults.active("policy.first_drafting_step_trusted")):
             return True
         tokens = batch + pricing.token_value * sum(probe.values())

@@ -9,7 +9,7 @@ def policy_with_costs(rows: int, forward=(0.004, 0.0003), overhead=(0.002, 0.001
     """A policy of ``rows`` draft rows that has measured a target and a verify forward of
     ``forward`` (intercept, seconds per row) and drafter passes of ``overhead`` (intercept, seconds
     per request drafting a whole block: a line in drafted rows). Each point is measured twice, so
-    every line holds the steps a settled one does (see ``_STALL_MIN_WEIGHT``): an unsettled line's
+    every line is settled (``LinearCost.settled``): an unsettled line's
     probes are made whatever they cost, and these policies price what the test sets."""
     policy = SpeculationPolicy(rows)
     for num_rows in (1, 8, 16, 30) * 2:
