@@ -68,8 +68,9 @@ class ModelRunner(RunnerPrefill, RunnerSpeculative, RunnerTargetStep, RunnerDraf
         self.precise_timing = False
         self._draft_rows: dict[str, int] = {}  # this step's plan (SchedulerOutput.draft_rows)
         self._drafting: frozenset[str] = frozenset()  # this step's SchedulerOutput.speculative_ids
-        # request_id -> features [T, F, H] of committed positions not yet in its draft context
-        self._deferred_context: dict[str, list[torch.Tensor]] = {}
+        # request_id -> features [T, F, H] of committed positions not yet in its draft context, or
+        # (a target-only step's features [N, 1, F, H], the request's row b) (runner_draft_context.py)
+        self._deferred_context: dict[str, list[torch.Tensor | tuple[torch.Tensor, int]]] = {}
         self._deferred_count: dict[str, int] = {}  # positions in _deferred_context, per request
         self._prefill_chunks: dict[str, tuple[int, int]] = {}  # this step's (SchedulerOutput.prefill_chunks)
         self._demoted: set[str] = set()  # speculative requests the draft pool could not extend

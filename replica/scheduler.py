@@ -154,13 +154,16 @@ class FcfsScheduler(SchedulerInterface):
         if running:
             self.slot_refills.on_step()
         if self.policy is not None and speculative:
-            remaining = {r.request_id: r.params.max_new_tokens - r.stats.num_output_tokens for r in running}
-            # rows past the request's remaining output could never be emitted
-            candidates = {r.request_id: min(self.policy.num_rows, remaining[r.request_id] - 1) for r in speculative}
-            sampled = frozenset(r.request_id for r in speculative if not r.params.is_greedy)
-            plan = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled,
-                                    remaining=remaining, refill_share=self._refill_share())
-            draft_rows, riders_apart = plan.draft_rows, plan.riders_apart
+            # a quiet step that only counts is known from the roster alone (no plan inputs built)
+            roster = (tuple(r.request_id for r in speculative), len(target_only))
+            if not self.policy.continues_quiet_stretch(roster):
+                remaining = {r.request_id: r.params.max_new_tokens - r.stats.num_output_tokens for r in running}
+                # rows past the request's remaining output could never be emitted
+                candidates = {r.request_id: min(self.policy.num_rows, remaining[r.request_id] - 1) for r in speculative}
+                sampled = frozenset(r.request_id for r in speculative if not r.params.is_greedy)
+                plan = self.policy.plan(candidates, num_target_only=len(target_only), sampled=sampled,
+                                        remaining=remaining, refill_share=self._refill_share(), roster=roster)
+                draft_rows, riders_apart = plan.draft_rows, plan.riders_apart
             target_only = [r.request_id for r in speculative if r.request_id not in draft_rows] + target_only
             speculative = [r for r in speculative if r.request_id in draft_rows]
         output = SchedulerOutput(

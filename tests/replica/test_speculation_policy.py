@@ -17,7 +17,7 @@ from dspine import faults
 from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
 from dspine.replica.speculation_policy import (_PADDING_ROW_SHARE, AcceptanceProfile, CostModel, LinearCost,
-                                              SpeculationPolicy)
+                                              SpeculationPolicy, StepPlan)
 from dspine.replica.tail import Proposal
 from dspine_testing.policies import policy_with_costs
 
@@ -859,11 +859,14 @@ def test_a_certified_quiet_stretch_holds_however_far_the_evidence_fades():
     assert broken_unsound >= 5, broken_unsound
 
 
-def _plans_of_a_changing_batch(*fault_names: str) -> tuple[list, tuple]:
+def _plans_of_a_changing_batch(*fault_names: str, use_roster: bool = False) -> tuple[list, tuple]:
     """600 steps of up to 8 requests that mostly lose (a cycle accepts 0-2 rows at random), requests
-    finishing and new ones joining: every step's plan, and the counters at the end."""
+    finishing and new ones joining: every step's plan, and the counters at the end. ``use_roster``:
+    each step first asks :meth:`SpeculationPolicy.continues_quiet_stretch` with the scheduler's
+    roster, as the scheduler does (the counters then end with the steps it answered)."""
     rng = random.Random(3)
     plans = []
+    shortcut_steps = 0
     with faults.inject(*fault_names):
         policy = _policy_with_costs()
         requests = {f"r{i}": ROWS for i in range(8)}
@@ -878,13 +881,18 @@ def _plans_of_a_changing_batch(*fault_names: str) -> tuple[list, tuple]:
                 policy.forget(gone)
                 requests[f"r{next_id}"] = ROWS
                 next_id += 1
-            plan = policy.plan(dict(requests))
+            roster = (tuple(requests), 0)
+            if use_roster and policy.continues_quiet_stretch(roster):
+                shortcut_steps += 1
+                plan = StepPlan({})
+            else:
+                plan = policy.plan(dict(requests), roster=roster if use_roster else None)
             plans.append((sorted(plan.draft_rows.items()), plan.is_probe))
             for request_id, rows in plan.draft_rows.items():
                 policy.observe_cycle(request_id, rows, rng.choice([0, 0, 0, 1, 2]))
         counters = (policy.num_probes, policy.num_probes_skipped, policy.num_quiet_steps, policy.num_decode_steps,
                     policy.num_drafting_steps, [round(c, 12) for c in policy.profile(sorted(requests)[-1]).conditionals()])
-    return plans, counters
+    return plans, counters + ((shortcut_steps,) if use_roster else ())
 
 
 def test_quiet_steps_only_count_and_decide_as_the_bookkeeping_did():
@@ -894,6 +902,18 @@ def test_quiet_steps_only_count_and_decide_as_the_bookkeeping_did():
     plans, counters = _plans_of_a_changing_batch()
     assert counters[2] > 300 and counters[0] >= 5, counters  # mostly quiet steps, and probes among them
     assert (plans, counters) == _plans_of_a_changing_batch("policy.quiet_steps_do_the_bookkeeping")
+
+
+def test_quiet_steps_known_from_the_roster_plan_as_the_full_plans_did():
+    """The scheduler skips building a step's plan inputs where the roster alone shows a quiet step
+    that only counts: the same plans, probes and estimates, step for step, as planning every step;
+    a shortcut that ran past a due probe would leave the stretch's requests unprobed."""
+    plans, counters = _plans_of_a_changing_batch()
+    roster_plans, roster_counters = _plans_of_a_changing_batch(use_roster=True)
+    assert roster_counters[-1] > 300, roster_counters  # most steps answered from the roster
+    assert (roster_plans, roster_counters[:-1]) == (plans, counters)
+    broken_plans, broken_counters = _plans_of_a_changing_batch("policy.quiet_shortcut_past_due_probes", use_roster=True)
+    assert broken_counters[0] < counters[0], (broken_counters, counters)  # fewer probes made
 
 
 def _drafting_steps_after_a_stalled_first_cycle(steps: int = 200) -> int:
