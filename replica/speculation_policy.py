@@ -466,8 +466,7 @@ class SpeculationPolicy:
         self._planned_forecasts: dict[str, float] = {}
         self.num_probes = 0
         self.num_probes_skipped = 0  # steps whose due probe was not made: not even a perfect cycle would pay
-        # (signature of the last plans' inputs, plans in a row that found nothing, quiet steps left)
-        # (signature, rows per request, plans in a row that found nothing, quiet steps left)
+        # (signature of the last plans' inputs, rows per request, plans in a row that found nothing, quiet steps left)
         self._quiet: tuple[tuple, dict[str, int], int, int] | None = None
         # While a stretch of quiet steps holds: the scheduler's roster of the step that set it (see
         # :meth:`continues_quiet_stretch`) and its probe schedules
@@ -509,10 +508,8 @@ class SpeculationPolicy:
         if left <= 0 or signature[2] != self._engine_versions():
             return False
         schedules = self._quiet_roster[1]
-        if not faults.active("policy.quiet_shortcut_past_due_probes"):
-            for schedule in schedules:
-                if self._steps_without_draft.get(schedule, 0) + 1 >= self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL):
-                    return False  # plan() decides the probe
+        if not faults.active("policy.quiet_shortcut_past_due_probes") and any(map(self._probe_due_next, schedules)):
+            return False  # plan() decides the probe
         self._quiet = (signature, caps, streak, left - 1)
         self.num_quiet_steps += 1
         self._count_quiet_step(signature, schedules, skipped=False)
@@ -583,12 +580,16 @@ class SpeculationPolicy:
         schedules = {self._schedule(kind, batch) for kind in {self._kinds[r] for r in candidates}}
         skipped = False
         for schedule in schedules:
-            if self._steps_without_draft.get(schedule, 0) + 1 >= self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL):
+            if self._probe_due_next(schedule):
                 if self._skipped_probe != signature:
                     return False
                 skipped = True
         self._count_quiet_step(signature, schedules, skipped)
         return True
+
+    def _probe_due_next(self, schedule: tuple[str, int]) -> bool:
+        """Whether the next step without a draft makes the probe of ``schedule`` (kind, batch) due."""
+        return self._steps_without_draft.get(schedule, 0) + 1 >= self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL)
 
     def _count_quiet_step(self, signature: tuple, schedules, skipped: bool) -> None:
         """The counters a quiet step that only counts moves (its probe schedules', the stretch's fades)."""
