@@ -136,6 +136,10 @@ ENGINE_FAULTS: dict[str, str] = {
     "policy.quiet_steps_uncertified": "no plan is certified unable to pay until a cycle: quiet stretches stay "
                                       "at most 4 steps",
     # tests/replica/test_speculation_policy.py::test_a_certified_quiet_stretch_holds_however_far_the_evidence_fades
+    "policy.quiet_certificate_horizon_short": "the quiet-step certificate bounds the estimates by 4 fades while "
+                                              "its stretch is 16 steps",
+    "policy.quiet_certificate_past_the_stretch": "the quiet-step certificate bounds the estimates by every fade, "
+                                                 "however many (the stretch is 16 steps): fewer stretches certified",
     "policy.quiet_certificate_ignores_fades": "the quiet-step certificate reads the requests' present estimates, "
                                               "not the best their fades toward the engine-wide ones could reach",
     # tests/replica/test_speculation_policy.py::test_quiet_steps_only_count_and_decide_as_the_bookkeeping_did
@@ -144,6 +148,8 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_quiet_steps_known_from_the_roster_plan_as_the_full_plans_did
     "policy.quiet_shortcut_past_due_probes": "a quiet stretch known from the scheduler's roster goes on past a "
                                              "due probe (its requests are not probed until the stretch ends)",
+    "policy.quiet_shortcut_skips_unjudged_probes": "a quiet stretch known from the scheduler's roster counts a due "
+                                                   "probe as skipped before any plan found it unable to pay",
     # tests/replica/test_speculation_policy.py::test_a_request_that_stopped_drafting_drafts_again_when_its_evidence_fades
     "policy.idle_evidence_kept": "a request's own acceptance evidence keeps its weight while it decodes "
                                  "target-only, so a few failed cycles keep it from drafting until a probe",

@@ -90,7 +90,12 @@ class StopChecker:
         else:
             safe_len = len(text) - self._holdback(text)
         safe_text = text[:safe_len]
-        safe_tokens = self._tokens_covering(safe_text)
+        if safe_len == len(text):
+            # nothing held back: every output token is covered (no incomplete character, or the
+            # request finished), which _tokens_covering would find by decoding them all again
+            safe_tokens = len(self.output_ids)
+        else:
+            safe_tokens = self._tokens_covering(safe_text)
         if status is not None:
             safe_tokens = len(self.output_ids)
         safe_tokens = max(safe_tokens, self._released_tokens)

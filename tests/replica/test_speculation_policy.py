@@ -16,7 +16,7 @@ from dspine import faults
 
 from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
-from dspine.replica.speculation_policy import (_PADDING_ROW_SHARE, AcceptanceProfile, CostModel, LinearCost,
+from dspine.replica.speculation_policy import (_MAX_CERTAIN_QUIET_STEPS, _PADDING_ROW_SHARE, AcceptanceProfile, CostModel, LinearCost,
                                               SpeculationPolicy, StepPlan)
 from dspine.replica.tail import Proposal
 from dspine_testing.policies import policy_with_costs
@@ -840,7 +840,7 @@ def _fades_that_break_a_certificate(*fault_names: str) -> tuple[int, int]:
             if not policy._cannot_pay_while_quiet(requests, 0, pricing):
                 continue
             certified += 1
-            for _ in range(60):
+            for _ in range(_MAX_CERTAIN_QUIET_STEPS):  # the stretch a certificate covers
                 for request_id in requests:
                     policy._fade(request_id)
                 if policy._best_rows(requests, 0, prune=False, pricing=pricing)[0]:
@@ -850,25 +850,59 @@ def _fades_that_break_a_certificate(*fault_names: str) -> tuple[int, int]:
 
 
 def test_a_certified_quiet_stretch_holds_however_far_the_evidence_fades():
-    """The certificate bounds every row by the larger of the request's estimate and the engine-wide
-    one, which no fade passes: no certified case ever plans a drafting step by fading alone. Read
-    from the present estimates alone it certifies requests whose fades make drafting pay."""
+    """The certificate bounds every row by the larger of the request's estimate and the one its
+    stretch's fades reach, which none of them passes: no certified case plans a drafting step by
+    fading alone within the stretch. Read from the present estimates alone, or bounded by fewer
+    fades than the stretch has steps, it certifies requests whose fades make drafting pay."""
     broken, certified = _fades_that_break_a_certificate()
     assert broken == 0 and certified >= 20, (broken, certified)
     broken_unsound, _ = _fades_that_break_a_certificate("policy.quiet_certificate_ignores_fades")
     assert broken_unsound >= 5, broken_unsound
+    broken_short, _ = _fades_that_break_a_certificate("policy.quiet_certificate_horizon_short")
+    assert broken_short >= 3, broken_short
 
 
-def _plans_of_a_changing_batch(*fault_names: str, use_roster: bool = False) -> tuple[list, tuple]:
+def _planned_steps_of_eight_beside_a_good_one(steps: int = 33) -> int:
+    """Steps planned of 8 greedy requests in flight whose every cycle fails, after another request
+    that accepted every row taught the engine-wide profile (as in a closed group of 8 after lone
+    greedy requests whose runs paid)."""
+    policy = _policy_with_costs(overhead=(0.01, 0.006))  # a block's drafting costs 14 tokens' target steps
+    losing = {f"bad{i}": ROWS for i in range(8)}
+    for request_id in losing:
+        for _ in range(30):
+            policy.observe_cycle(request_id, ROWS, 0)
+    for _ in range(100):  # all rows but the last: the profile after a partly accepted block
+        policy.observe_cycle("good", ROWS, ROWS - 1)
+    policy.forget("good")
+    for _ in range(steps):
+        plan = policy.plan(losing)
+        for request_id, rows in plan.draft_rows.items():
+            policy.observe_cycle(request_id, rows, 0)
+    return steps - policy.num_quiet_steps
+
+
+def test_requests_whose_stretch_cannot_pay_are_certified_though_the_engine_wide_profile_would():
+    """The engine-wide profile pays; 16 fades of the requests' failed cycles do not reach it, so
+    over their first 33 steps two plans certify a stretch of 16 each. Bounded by every fade (the
+    engine-wide profile itself) they are never certified and plan every 2nd to 5th step."""
+    planned = _planned_steps_of_eight_beside_a_good_one()
+    with faults.inject("policy.quiet_certificate_past_the_stretch"):
+        planned_unbounded = _planned_steps_of_eight_beside_a_good_one()
+    assert planned <= 3 and planned_unbounded >= 7, (planned, planned_unbounded)
+
+
+def _plans_of_a_changing_batch(*fault_names: str, use_roster: bool = False,
+                               overhead: tuple[float, float] = (0.002, 0.001)) -> tuple[list, tuple]:
     """600 steps of up to 8 requests that mostly lose (a cycle accepts 0-2 rows at random), requests
     finishing and new ones joining: every step's plan, and the counters at the end. ``use_roster``:
     each step first asks :meth:`SpeculationPolicy.continues_quiet_stretch` with the scheduler's
-    roster, as the scheduler does (the counters then end with the steps it answered)."""
+    roster, as the scheduler does (the counters then end with the steps it answered).
+    ``overhead``: the drafter's cost line (see :func:`_policy_with_costs`)."""
     rng = random.Random(3)
     plans = []
     shortcut_steps = 0
     with faults.inject(*fault_names):
-        policy = _policy_with_costs()
+        policy = _policy_with_costs(overhead=overhead)
         requests = {f"r{i}": ROWS for i in range(8)}
         next_id = 8
         for request_id in requests:
@@ -914,6 +948,21 @@ def test_quiet_steps_known_from_the_roster_plan_as_the_full_plans_did():
     assert (roster_plans, roster_counters[:-1]) == (plans, counters)
     broken_plans, broken_counters = _plans_of_a_changing_batch("policy.quiet_shortcut_past_due_probes", use_roster=True)
     assert broken_counters[0] < counters[0], (broken_counters, counters)  # fewer probes made
+    broken_plans, broken_counters = _plans_of_a_changing_batch("policy.quiet_shortcut_skips_unjudged_probes",
+                                                               use_roster=True)
+    assert broken_counters[0] < counters[0], (broken_counters, counters)
+
+
+def test_a_probe_that_cannot_pay_stays_skipped_in_the_roster_shortcut():
+    """Where a due probe cannot pay even if every row were accepted (a drafter pass dearer than a
+    whole block's tokens), the plan skips it and it stays due; the roster shortcut then counts the
+    stretch's steps as skipped probes, exactly as the full plans do, instead of planning each one."""
+    dear = (0.2, 0.05)
+    plans, counters = _plans_of_a_changing_batch(overhead=dear)
+    assert counters[1] > 300 and not any(plan for plan, _ in plans), counters  # skipped, nothing drafted
+    roster_plans, roster_counters = _plans_of_a_changing_batch(use_roster=True, overhead=dear)
+    assert roster_counters[-1] > 400, roster_counters  # most steps answered from the roster
+    assert (roster_plans, roster_counters[:-1]) == (plans, counters)
 
 
 def _drafting_steps_after_a_stalled_first_cycle(steps: int = 200) -> int:
