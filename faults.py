@@ -135,13 +135,14 @@ ENGINE_FAULTS: dict[str, str] = {
     # tests/replica/test_speculation_policy.py::test_requests_that_cannot_pay_until_a_cycle_have_long_quiet_stretches
     "policy.quiet_steps_uncertified": "no plan is certified unable to pay until a cycle: quiet stretches stay "
                                       "at most 4 steps",
-    # tests/replica/test_speculation_policy.py::test_a_certified_quiet_stretch_holds_however_far_the_evidence_fades
+    # tests/replica/test_speculation_policy.py::test_a_certified_quiet_stretch_holds_over_its_own_fades
     "policy.quiet_certificate_horizon_short": "the quiet-step certificate bounds the estimates by 4 fades while "
                                               "its stretch is 16 steps",
-    "policy.quiet_certificate_past_the_stretch": "the quiet-step certificate bounds the estimates by every fade, "
-                                                 "however many (the stretch is 16 steps): fewer stretches certified",
     "policy.quiet_certificate_ignores_fades": "the quiet-step certificate reads the requests' present estimates, "
                                               "not the best their fades toward the engine-wide ones could reach",
+    # tests/replica/test_speculation_policy.py::test_requests_whose_stretch_cannot_pay_are_certified_though_the_engine_wide_profile_would
+    "policy.quiet_certificate_past_the_stretch": "the quiet-step certificate bounds the estimates by every fade, "
+                                                 "however many (the stretch is 16 steps): fewer stretches certified",
     # tests/replica/test_speculation_policy.py::test_quiet_steps_only_count_and_decide_as_the_bookkeeping_did
     "policy.quiet_steps_do_the_bookkeeping": "every quiet step runs the plan's bookkeeping (profiles, probe "
                                              "schedules, fades per request) instead of only counting",

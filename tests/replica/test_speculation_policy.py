@@ -849,7 +849,7 @@ def _fades_that_break_a_certificate(*fault_names: str) -> tuple[int, int]:
     return broken, certified
 
 
-def test_a_certified_quiet_stretch_holds_however_far_the_evidence_fades():
+def test_a_certified_quiet_stretch_holds_over_its_own_fades():
     """The certificate bounds every row by the larger of the request's estimate and the one its
     stretch's fades reach, which none of them passes: no certified case plans a drafting step by
     fading alone within the stretch. Read from the present estimates alone, or bounded by fewer
