@@ -517,13 +517,11 @@ class SpeculationPolicy:
         if left <= 0 or signature[2] != self._engine_versions():
             return False
         schedules = self._quiet_roster[1]
-        skipped = False
-        if not faults.active("policy.quiet_shortcut_past_due_probes") and any(map(self._probe_due_next, schedules)):
-            # as in _counted_quiet_step: a probe found unable to pay in this stretch stays skipped
-            # (8 greedy requests of a closed group: 1,885 of 2,028 steps, each planned in full before)
-            if self._skipped_probe != signature and not faults.active("policy.quiet_shortcut_skips_unjudged_probes"):
-                return False  # plan() decides the probe
-            skipped = True
+        # a probe found unable to pay in this stretch stays skipped here too (8 greedy requests of
+        # a closed group: 1,885 of 2,028 steps, each planned in full while the shortcut gave way)
+        skipped = self._due_probes_skipped(signature, schedules, shortcut=True)
+        if skipped is None:
+            return False  # plan() decides the probe
         self._quiet = (signature, caps, streak, left - 1)
         self.num_quiet_steps += 1
         self._count_quiet_step(signature, schedules, skipped=skipped)
@@ -592,18 +590,26 @@ class SpeculationPolicy:
         signature = self._quiet[0]
         batch = len(candidates) + num_target_only
         schedules = {self._schedule(kind, batch) for kind in {self._kinds[r] for r in candidates}}
-        skipped = False
-        for schedule in schedules:
-            if self._probe_due_next(schedule):
-                if self._skipped_probe != signature:
-                    return False
-                skipped = True
+        skipped = self._due_probes_skipped(signature, schedules)
+        if skipped is None:
+            return False
         self._count_quiet_step(signature, schedules, skipped)
         return True
 
-    def _probe_due_next(self, schedule: tuple[str, int]) -> bool:
-        """Whether the next step without a draft makes the probe of ``schedule`` (kind, batch) due."""
-        return self._steps_without_draft.get(schedule, 0) + 1 >= self._probe_interval.get(schedule, _FIRST_PROBE_INTERVAL)
+    def _due_probes_skipped(self, signature: tuple, schedules, shortcut: bool = False) -> bool | None:
+        """For a quiet step of stretch ``signature`` that only counts: whether a probe of
+        ``schedules`` comes due on it and was already found unable to pay in this stretch (True),
+        none comes due (False), or one comes due unjudged (None: :meth:`_plan` decides it).
+        ``shortcut``: asked by :meth:`continues_quiet_stretch` (its faults apply)."""
+        if shortcut and faults.active("policy.quiet_shortcut_past_due_probes"):
+            return False
+        interval = self._probe_interval
+        if not any(self._steps_without_draft.get(schedule, 0) + 1 >= interval.get(schedule, _FIRST_PROBE_INTERVAL)
+                   for schedule in schedules):
+            return False
+        if self._skipped_probe == signature:
+            return True
+        return True if shortcut and faults.active("policy.quiet_shortcut_skips_unjudged_probes") else None
 
     def _count_quiet_step(self, signature: tuple, schedules, skipped: bool) -> None:
         """The counters a quiet step that only counts moves (its probe schedules', the stretch's fades)."""

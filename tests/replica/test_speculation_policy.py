@@ -16,8 +16,8 @@ from dspine import faults
 
 from dspine.replica import Engine, EngineConfig, SamplingParams
 from dspine.replica.reference import reference_generate
-from dspine.replica.speculation_policy import (_MAX_CERTAIN_QUIET_STEPS, _PADDING_ROW_SHARE, AcceptanceProfile, CostModel, LinearCost,
-                                              SpeculationPolicy, StepPlan)
+from dspine.replica.speculation_policy import (_MAX_CERTAIN_QUIET_STEPS, _PADDING_ROW_SHARE, AcceptanceProfile,
+                                              CostModel, LinearCost, SpeculationPolicy, StepPlan)
 from dspine.replica.tail import Proposal
 from dspine_testing.policies import policy_with_costs
 
